@@ -1,0 +1,41 @@
+# The two commands: `make demo` and `make test`. Both create/update .venv first.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.rolloutstore-installed
+PYTEST_ARGS ?=
+
+.PHONY: demo test lint format bench clean venv
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+
+# torch 2.13.0 first: it is the CPU wheel on these machines; a bare `torch`
+# requirement would resolve to a multi-GB CUDA build (see shared/PLATFORM.md).
+$(STAMP): pyproject.toml Makefile | $(PY)
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	@touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/rolloutstore demo runs/demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+bench: $(STAMP)
+	$(PY) tools/bench_store.py
+
+clean:
+	rm -rf runs bench_out .pytest_cache .hypothesis

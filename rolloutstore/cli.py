@@ -1,0 +1,288 @@
+"""The ``rolloutstore`` command line: create, fill, inspect and maintain a store.
+
+rolloutstore init STORE [--embedding-dim 64]
+rolloutstore ingest STORE FILE... [--map SRC=DEST]
+rolloutstore sql STORE "SELECT ..." [--param V ...] [--format table|csv|json|parquet] [--out F]
+rolloutstore stats STORE [--json]
+rolloutstore versions STORE
+rolloutstore compact STORE [--cleanup-older-than-hours H]
+rolloutstore evict STORE (--keep N | --older-than-hours H | --min-policy-version V)
+rolloutstore schema
+rolloutstore demo [RUN_DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pyarrow as pa
+
+from .errors import RolloutStoreError
+
+
+def _store(path: str, *, create: bool = False):
+    from .store import RolloutStore
+
+    return RolloutStore.open(path, create=create)
+
+
+def _cell(v) -> str:
+    if isinstance(v, list):
+        head = ", ".join(_cell(x) for x in v[:4])
+        return f"[{head}{', ...' if len(v) > 4 else ''}] ({len(v)})" if len(v) > 4 else f"[{head}]"
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    s = "NULL" if v is None else str(v)
+    return s if len(s) <= 48 else s[:45] + "..."
+
+
+def format_table(table: pa.Table, max_rows: int = 50) -> str:
+    """A plain-text grid of the first ``max_rows`` rows."""
+    names = table.column_names
+    rows = [[_cell(v) for v in r.values()] for r in table.slice(0, max_rows).to_pylist()]
+    widths = [max([len(n)] + [len(r[i]) for r in rows]) for i, n in enumerate(names)]
+    line = "  ".join(n.ljust(w) for n, w in zip(names, widths))
+    out = [line, "  ".join("-" * w for w in widths)]
+    out += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    if table.num_rows > max_rows:
+        out.append(f"... {table.num_rows - max_rows} more rows (use --format/--out for all)")
+    out.append(f"({table.num_rows} rows)")
+    return "\n".join(out)
+
+
+def write_result(table: pa.Table, fmt: str, out: str | None) -> None:
+    """Write a query result; files are written here, never by SQL."""
+    import pyarrow.csv as pcsv
+    import pyarrow.parquet as pq
+
+    if fmt == "parquet":
+        if not out:
+            raise SystemExit("--format parquet needs --out FILE")
+        pq.write_table(table, out, compression="zstd")
+        return
+    if fmt == "table":
+        text = format_table(table, max_rows=table.num_rows if out else 50) + "\n"
+    elif fmt == "json":
+        text = "".join(json.dumps(r, default=str) + "\n" for r in table.to_pylist())
+    else:  # csv
+        import io
+
+        buf = io.BytesIO()
+        flat = pa.table(
+            {
+                n: (
+                    c
+                    if not pa.types.is_nested(c.type)
+                    else pa.array([json.dumps(v) for v in c.to_pylist()])
+                )
+                for n, c in zip(table.column_names, table.columns)
+            }
+        )
+        pcsv.write_csv(flat, buf)
+        text = buf.getvalue().decode()
+    if out:
+        Path(out).write_text(text)
+    else:
+        sys.stdout.write(text)
+
+
+def _param(s: str):
+    for conv in (int, float):
+        try:
+            return conv(s)
+        except ValueError:
+            pass
+    return s
+
+
+def cmd_init(a) -> None:
+    from .store import RolloutStore
+
+    s = RolloutStore.open(a.store, create=True, embedding_dim=a.embedding_dim)
+    print(
+        f"store {s.uri}: version {s.version}, {s.count()} rollouts, embedding_dim {s.embedding_dim}"
+    )
+
+
+def cmd_ingest(a) -> None:
+    from .ingest import ingest_file
+
+    store = _store(a.store, create=True)
+    rename = dict(m.split("=", 1) for m in a.map)
+    total = 0
+    for f in a.files:
+        r = ingest_file(store, f, rename=rename, progress=not a.quiet)
+        total += r.rows
+        print(f"{f}: {r.rows} rollouts (store version {r.version})")
+    print(f"ingested {total} rollouts into {store.uri}; store has {store.count()}")
+
+
+def cmd_sql(a) -> None:
+    store = _store(a.store)
+    if a.version is not None:
+        store = store.checkout(a.version)
+    params = [_param(p) for p in a.param] or None
+    write_result(store.sql(a.query, params), a.format, a.out)
+
+
+def print_stats(st: dict) -> None:
+    gib = st["bytes_on_disk"]
+    print(f"store      {st['uri']} (version {st['version']}, {st['fragments']} fragments)")
+    print(
+        f"rollouts   {st['rows']:,} in {st['groups']:,} groups, {st['prompts']:,} prompts, {st['runs']} runs"
+    )
+    print(
+        f"tokens     {st['tokens']:,} ({st['prompt_tokens']:,} prompt + {st['completion_tokens']:,} completion)"
+    )
+    if gib is not None:
+        bpt = st["bytes_per_token"]
+        print(f"on disk    {gib / 2**20:,.1f} MiB" + (f", {bpt:.2f} bytes/token" if bpt else ""))
+    if st["by_policy_version"]:
+        print("policy_version  rollouts  reward_mean")
+        for r in st["by_policy_version"]:
+            mean = "-" if r["reward_mean"] is None else f"{r['reward_mean']:.4f}"
+            print(f"{r['policy_version']:>14}  {r['rollouts']:>8}  {mean:>11}")
+    if st["reuse"]:
+        print("uses  rollouts")
+        for r in st["reuse"]:
+            print(f"{r['uses']:>4}  {r['rollouts']:>8}")
+
+
+def cmd_stats(a) -> None:
+    st = _store(a.store).stats()
+    if a.json:
+        print(json.dumps(st, default=str, indent=2))
+    else:
+        print_stats(st)
+
+
+def cmd_versions(a) -> None:
+    for v in _store(a.store).versions():
+        print(f"{v['version']:>6}  {v['timestamp']}")
+
+
+def cmd_compact(a) -> None:
+    store = _store(a.store)
+    older = (
+        None if a.cleanup_older_than_hours is None else timedelta(hours=a.cleanup_older_than_hours)
+    )
+    print(json.dumps(store.compact(cleanup_older_than=older), indent=2))
+
+
+def cmd_evict(a) -> None:
+    store = _store(a.store)
+    older = None if a.older_than_hours is None else timedelta(hours=a.older_than_hours)
+    r = store.evict(keep_last=a.keep, older_than=older, min_policy_version=a.min_policy_version)
+    print(f"evicted {r.rows_deleted} rollouts, {r.rows_left} left (store version {r.version})")
+
+
+def cmd_schema(a) -> None:
+    from .schema import describe
+
+    print(describe())
+
+
+def cmd_demo(a) -> None:
+    from .proxy import proxy_batches
+    from .store import RolloutStore
+
+    path = Path(a.run_dir) / "store"
+    if path.exists():
+        shutil.rmtree(path)
+    store = RolloutStore.open(path)
+    t0 = time.perf_counter()
+    r = store.append(proxy_batches(a.rollouts, seed=a.seed, mean_completion_tokens=256))
+    dt = time.perf_counter() - t0
+    print(
+        f"wrote {r.rows} seeded proxy rollouts to {path} in {dt:.1f}s (store version {r.version})\n"
+    )
+    print_stats(store.stats())
+    query = (
+        "SELECT policy_version, count(*) AS rollouts, round(avg(reward), 3) AS reward, "
+        "round(avg(num_completion_tokens)) AS mean_len FROM rollouts "
+        "WHERE reward > ? GROUP BY 1 ORDER BY 1"
+    )
+    print(f"\nexample query (parameter 0.5):\n  {query}\n")
+    print(format_table(store.sql(query, [0.5])))
+    print(f'\nnext: rolloutstore sql {path} "SELECT * FROM groups LIMIT 5"')
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="rolloutstore", description="Disk-backed rollout store for LLM RL."
+    )
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("init", help="create an empty store")
+    p.add_argument("store")
+    p.add_argument("--embedding-dim", type=int, default=None, help="fixed at creation (default 64)")
+    p.set_defaults(func=cmd_init)
+
+    p = sub.add_parser(
+        "ingest", help="append JSONL / JSONL.zst / Parquet files (one commit per file)"
+    )
+    p.add_argument("store")
+    p.add_argument("files", nargs="+")
+    p.add_argument("--map", action="append", default=[], metavar="SRC=DEST", help="rename a field")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_ingest)
+
+    p = sub.add_parser("sql", help="run a DuckDB query over views rollouts, usage, groups")
+    p.add_argument("store")
+    p.add_argument("query")
+    p.add_argument("--param", action="append", default=[], help="value for the next ? placeholder")
+    p.add_argument("--format", choices=["table", "csv", "json", "parquet"], default="table")
+    p.add_argument("--out", help="write the result to this file")
+    p.add_argument("--version", type=int, default=None, help="query a past store version")
+    p.set_defaults(func=cmd_sql)
+
+    p = sub.add_parser("stats", help="rows, tokens, bytes/token, versions, rewards, reuse")
+    p.add_argument("store")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_stats)
+
+    p = sub.add_parser("versions", help="list store versions")
+    p.add_argument("store")
+    p.set_defaults(func=cmd_versions)
+
+    p = sub.add_parser("compact", help="merge small fragments; optionally drop old versions")
+    p.add_argument("store")
+    p.add_argument("--cleanup-older-than-hours", type=float, default=None)
+    p.set_defaults(func=cmd_compact)
+
+    p = sub.add_parser("evict", help="delete rows by an explicit retention rule")
+    p.add_argument("store")
+    p.add_argument("--keep", type=int, default=None, help="keep the N most recent rollouts")
+    p.add_argument("--older-than-hours", type=float, default=None)
+    p.add_argument("--min-policy-version", type=int, default=None)
+    p.set_defaults(func=cmd_evict)
+
+    p = sub.add_parser("schema", help="print the rollout schema")
+    p.set_defaults(func=cmd_schema)
+
+    p = sub.add_parser("demo", help="write seeded proxy rollouts and show stats and a query")
+    p.add_argument("run_dir", nargs="?", default="runs/demo")
+    p.add_argument("--rollouts", type=int, default=4096)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_demo)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except (RolloutStoreError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""Exceptions. One root, ``RolloutStoreError``; each subclass also inherits a builtin."""
+
+from __future__ import annotations
+
+
+class RolloutStoreError(Exception):
+    """Root of every error rolloutstore raises on purpose."""
+
+
+class SchemaError(RolloutStoreError, ValueError):
+    """Data or a store does not match the rollout schema."""
+
+
+class ValidationError(SchemaError):
+    """A row of an append breaks the schema or an invariant. Nothing of the batch was written."""
+
+    def __init__(self, message: str, *, row: int | None = None, field: str | None = None):
+        where = []
+        if row is not None:
+            where.append(f"row {row}")
+        if field is not None:
+            where.append(f"field {field!r}")
+        prefix = (", ".join(where) + ": ") if where else ""
+        super().__init__(prefix + message.rstrip(".") + ". Nothing of this batch was written.")
+        self.row = row
+        self.field = field
+        self.reason = message
+
+
+class IngestError(ValidationError):
+    """A row of an ingested file is bad: names ``file:line`` (or Parquet row) and the field."""
+
+    def __init__(self, path: str, where: str, exc: ValidationError):
+        field = f", field {exc.field!r}" if exc.field else ""
+        reason = exc.reason.rstrip(".")
+        Exception.__init__(
+            self, f"{path}:{where}{field}: {reason}. Nothing of this file was written."
+        )
+        self.row, self.field, self.reason, self.path = exc.row, exc.field, exc.reason, path
+
+
+class SchemaVersionError(SchemaError):
+    """The store was written by a newer, unknown schema version."""
+
+
+class StoreNotFoundError(RolloutStoreError, FileNotFoundError):
+    """No store at the given URI and ``create=False``."""
+
+
+class ReadOnlyError(RolloutStoreError, PermissionError):
+    """A write was attempted on a read-only snapshot (``checkout``)."""
+
+
+class QueryError(RolloutStoreError, ValueError):
+    """A SQL query failed or is not allowed."""

@@ -1,0 +1,131 @@
+"""The rollout schema, built from ``schemas/rollout.v1.json`` (the single source of truth).
+
+The JSON file names every column with its Arrow type, nullability, default and a
+one-line description. This module turns it into a ``pyarrow.Schema`` for a given
+embedding dimension, carrying the schema version and the dimension as schema
+metadata so that every Lance dataset records what wrote it.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+
+from .errors import SchemaError, SchemaVersionError
+
+SCHEMA_VERSION = 1
+DEFAULT_EMBEDDING_DIM = 64
+SCHEMA_DIR = Path(__file__).resolve().parent.parent / "schemas"
+
+META_VERSION = b"rolloutstore.schema_version"
+META_EMBEDDING_DIM = b"rolloutstore.embedding_dim"
+
+_SCALARS: dict[str, pa.DataType] = {
+    "string": pa.string(),
+    "int32": pa.int32(),
+    "int64": pa.int64(),
+    "float32": pa.float32(),
+    "float64": pa.float64(),
+    "bool": pa.bool_(),
+    "timestamp[us, UTC]": pa.timestamp("us", tz="UTC"),
+}
+
+
+@dataclass(frozen=True)
+class ColumnSpec:
+    name: str
+    type: str
+    nullable: bool
+    description: str
+    group: str = ""
+    default: str | None = None
+    encoding: dict | None = None
+
+
+@functools.cache
+def spec(version: int = SCHEMA_VERSION) -> dict:
+    """The parsed JSON specification of ``version``."""
+    path = SCHEMA_DIR / f"rollout.v{version}.json"
+    if not path.exists():
+        raise SchemaVersionError(f"no schema file for version {version} at {path}")
+    return json.loads(path.read_text())
+
+
+def columns(version: int = SCHEMA_VERSION) -> tuple[ColumnSpec, ...]:
+    return tuple(ColumnSpec(**c) for c in spec(version)["columns"])
+
+
+def _arrow_type(name: str, embedding_dim: int, encoding: dict | None) -> pa.DataType:
+    if name in _SCALARS:
+        return _SCALARS[name]
+    m = re.fullmatch(r"list<(.+)>", name)
+    if m:
+        meta = {f"lance-encoding:{k}": str(v) for k, v in (encoding or {}).items()}
+        # Lance reads per-column compression from the list's child field.
+        return pa.list_(pa.field("item", _SCALARS[m.group(1)], metadata=meta or None))
+    m = re.fullmatch(r"fixed_size_list<(.+)>\[embedding_dim\]", name)
+    if m:
+        return pa.list_(_SCALARS[m.group(1)], embedding_dim)
+    raise SchemaError(f"unknown type {name!r} in the schema file")
+
+
+def _schema(cols, metadata: dict[bytes, bytes] | None, embedding_dim: int) -> pa.Schema:
+    fields = [
+        pa.field(
+            c.name,
+            _arrow_type(c.type, embedding_dim, c.encoding),
+            nullable=c.nullable,
+            metadata={b"description": c.description.encode()},
+        )
+        for c in cols
+    ]
+    return pa.schema(fields, metadata=metadata)
+
+
+def rollout_schema(embedding_dim: int = DEFAULT_EMBEDDING_DIM) -> pa.Schema:
+    """Arrow schema of the ``rollouts`` table for a store of ``embedding_dim``."""
+    if not isinstance(embedding_dim, int) or embedding_dim < 1:
+        raise SchemaError(f"embedding_dim must be a positive int, got {embedding_dim!r}")
+    meta = {
+        META_VERSION: str(SCHEMA_VERSION).encode(),
+        META_EMBEDDING_DIM: str(embedding_dim).encode(),
+    }
+    return _schema(columns(), meta, embedding_dim)
+
+
+def table_schema(name: str) -> pa.Schema:
+    """Arrow schema of an auxiliary table (``usage``) named in the schema file."""
+    cols = [ColumnSpec(**c) for c in spec()["tables"][name]]
+    return _schema(cols, {META_VERSION: str(SCHEMA_VERSION).encode()}, 1)
+
+
+def read_metadata(schema: pa.Schema) -> tuple[int, int]:
+    """(schema_version, embedding_dim) recorded in a dataset's schema; checks the version."""
+    meta = schema.metadata or {}
+    if META_VERSION not in meta:
+        raise SchemaError(
+            "this Lance dataset was not written by rolloutstore (no schema version in its "
+            "metadata); ingest its rows with `rolloutstore ingest` instead"
+        )
+    version = int(meta[META_VERSION])
+    if version > SCHEMA_VERSION:
+        raise SchemaVersionError(
+            f"store was written with rollout schema v{version}, this rolloutstore reads up "
+            f"to v{SCHEMA_VERSION}; upgrade rolloutstore to open it"
+        )
+    dim = int(meta.get(META_EMBEDDING_DIM, DEFAULT_EMBEDDING_DIM))
+    return version, dim
+
+
+def describe() -> str:
+    """Human-readable column list (for `rolloutstore schema`)."""
+    lines = [f"rollout schema v{SCHEMA_VERSION}"]
+    for c in columns():
+        null = "null" if c.nullable else "required"
+        lines.append(f"  {c.name:<22} {c.type:<40} {null:<8} {c.description}")
+    return "\n".join(lines)

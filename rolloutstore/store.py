@@ -1,0 +1,427 @@
+"""``RolloutStore``: an append-only Lance log of rollouts, with DuckDB SQL over it.
+
+Layout under the store URI (a local folder or any URI Lance accepts)::
+
+    STORE/rollouts.lance   one row per completion (schema v1, compressed token columns)
+    STORE/usage.lance      append-only (rollout_id, learner_step, run_id, at)
+
+Every append is one Lance commit: all rows of a batch become visible together or
+not at all, and concurrent appenders from several processes are serialised by
+Lance's commit protocol. A store object pickles as (URI, pinned version,
+storage options) and reopens its datasets after a fork.
+
+    from rolloutstore import RolloutStore
+    store = RolloutStore.open("runs/demo/store")
+    store.append([{"prompt_ids": [1, 2], "completion_ids": [3], "behavior_logprobs": [-0.1],
+                   "policy_version": 0}])
+    store.sql("SELECT policy_version, count(*) FROM rollouts GROUP BY 1")
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import lance
+import numpy as np
+import pyarrow as pa
+from lance.fragment import write_fragments
+
+from . import schema as S
+from .errors import (
+    ReadOnlyError,
+    SchemaError,
+    StoreNotFoundError,
+    ValidationError,
+)
+from .validate import prepare
+
+ROLLOUTS = "rollouts.lance"
+USAGE = "usage.lance"
+
+
+@dataclass(frozen=True)
+class AppendResult:
+    rows: int
+    version: int
+
+
+@dataclass(frozen=True)
+class EvictResult:
+    rows_deleted: int
+    rows_left: int
+    version: int
+
+
+def _join(root: str, name: str) -> str:
+    return root.rstrip("/") + "/" + name
+
+
+def _is_local(uri: str) -> bool:
+    return "://" not in uri or uri.startswith("file://")
+
+
+def _exists(uri: str, storage_options: dict | None) -> bool:
+    if _is_local(uri):
+        return os.path.isdir(os.path.join(uri.removeprefix("file://"), "_versions"))
+    try:
+        lance.dataset(uri, storage_options=storage_options)
+        return True
+    except (ValueError, OSError, FileNotFoundError):
+        return False
+
+
+class RolloutStore:
+    """A rollout store at ``uri``. Use :meth:`open`; see the module docstring."""
+
+    def __init__(
+        self,
+        uri: str,
+        *,
+        version: int | None = None,
+        storage_options: dict[str, str] | None = None,
+    ):
+        self.uri = str(uri)
+        self.storage_options = storage_options
+        self._pinned = version
+        self._pid = os.getpid()
+        self._ds_cache: lance.LanceDataset | None = None
+        ds = self._rollouts()
+        _, self.embedding_dim = S.read_metadata(ds.schema)
+        self.schema = S.rollout_schema(self.embedding_dim)
+
+    # -- opening -----------------------------------------------------------------------
+    @classmethod
+    def open(
+        cls,
+        uri: str | os.PathLike,
+        *,
+        create: bool = True,
+        embedding_dim: int | None = None,
+        storage_options: dict[str, str] | None = None,
+    ) -> RolloutStore:
+        """Open the store at ``uri``, creating it when ``create`` (the default).
+
+        ``embedding_dim`` is fixed when the store is created (default 64); opening
+        an existing store with a different one is an error.
+        """
+        uri = os.fspath(uri)
+        rollouts = _join(uri, ROLLOUTS)
+        if not _exists(rollouts, storage_options):
+            if not create:
+                raise StoreNotFoundError(
+                    f"no rollout store at {uri!r}; create one with `rolloutstore init {uri}` "
+                    "or RolloutStore.open(uri, create=True)"
+                )
+            cls._create(uri, embedding_dim or S.DEFAULT_EMBEDDING_DIM, storage_options)
+        store = cls(uri, storage_options=storage_options)
+        if embedding_dim is not None and embedding_dim != store.embedding_dim:
+            raise SchemaError(
+                f"store {uri!r} has embedding_dim {store.embedding_dim}, asked for "
+                f"{embedding_dim}; the dimension is fixed when a store is created"
+            )
+        return store
+
+    @staticmethod
+    def _create(uri: str, embedding_dim: int, storage_options: dict | None) -> None:
+        if _is_local(uri):
+            os.makedirs(uri.removeprefix("file://"), exist_ok=True)
+        for name, sch in (
+            (ROLLOUTS, S.rollout_schema(embedding_dim)),
+            (USAGE, S.table_schema("usage")),
+        ):
+            target = _join(uri, name)
+            if _exists(target, storage_options):
+                continue
+            try:
+                lance.write_dataset(
+                    sch.empty_table(),
+                    target,
+                    schema=sch,
+                    mode="create",
+                    storage_options=storage_options,
+                )
+            except (OSError, ValueError) as exc:
+                # Another process created it first: fine, as long as it is there now.
+                if not _exists(target, storage_options):
+                    raise StoreNotFoundError(f"could not create {target!r}: {exc}") from exc
+
+    def __reduce__(self):
+        return (_reopen, (self.uri, self._pinned, self.storage_options))
+
+    def __repr__(self) -> str:
+        pin = f", version={self._pinned}" if self._pinned is not None else ""
+        return f"RolloutStore({self.uri!r}{pin})"
+
+    # -- datasets ------------------------------------------------------------------------
+    def _open_ds(self, name: str, version: int | None = None) -> lance.LanceDataset:
+        return lance.dataset(
+            _join(self.uri, name), version=version, storage_options=self.storage_options
+        )
+
+    def _rollouts(self) -> lance.LanceDataset:
+        """The rollouts dataset at the pinned version, or the latest (re-read each call)."""
+        if self._pid != os.getpid():  # forked: never share the parent's handles
+            self._pid, self._ds_cache = os.getpid(), None
+        if self._pinned is not None:
+            if self._ds_cache is None:
+                self._ds_cache = self._open_ds(ROLLOUTS, self._pinned)
+            return self._ds_cache
+        if self._ds_cache is None:
+            self._ds_cache = self._open_ds(ROLLOUTS)
+        else:
+            self._ds_cache = self._ds_cache.checkout_version(self._ds_cache.latest_version)
+        return self._ds_cache
+
+    def _usage(self) -> lance.LanceDataset:
+        return self._open_ds(USAGE)
+
+    def dataset(self) -> lance.LanceDataset:
+        """The underlying Lance dataset (at this store's version) for direct reads."""
+        return self._rollouts()
+
+    @property
+    def version(self) -> int:
+        """Version of the rollouts dataset this store reads (latest unless pinned)."""
+        return self._rollouts().version
+
+    @property
+    def read_only(self) -> bool:
+        return self._pinned is not None
+
+    def checkout(self, version: int) -> RolloutStore:
+        """A read-only snapshot of the store at ``version``."""
+        return RolloutStore(self.uri, version=version, storage_options=self.storage_options)
+
+    def versions(self) -> list[dict[str, Any]]:
+        return [
+            {"version": v["version"], "timestamp": v["timestamp"], "metadata": v.get("metadata")}
+            for v in self._rollouts().versions()
+        ]
+
+    def count(self, filter: str | None = None) -> int:
+        return self._rollouts().count_rows(filter=filter)
+
+    # -- writing -------------------------------------------------------------------------
+    def _check_writable(self) -> None:
+        if self._pinned is not None:
+            raise ReadOnlyError(
+                f"store snapshot at version {self._pinned} is read-only; write through "
+                "RolloutStore.open(uri)"
+            )
+
+    def append(self, data) -> AppendResult:
+        """Validate and append rollouts atomically: all of ``data`` commits, or nothing.
+
+        ``data``: a ``pyarrow.Table``/``RecordBatch``, a list of dicts, or an
+        iterable of tables/record batches (streamed to fragments, then one commit).
+        Raises :class:`ValidationError` naming the row and field; rows are counted
+        across the whole input.
+        """
+        self._check_writable()
+        chunks = _chunks(data)
+        target = _join(self.uri, ROLLOUTS)
+        read_version = self._rollouts().version
+        fragments, rows = [], 0
+        for chunk in chunks:
+            try:
+                table = prepare(chunk, self.schema)
+            except ValidationError as exc:
+                if rows and exc.row is not None:
+                    raise ValidationError(exc.reason, row=rows + exc.row, field=exc.field) from exc
+                raise
+            if table.num_rows == 0:
+                continue
+            fragments += write_fragments(
+                table,
+                target,
+                schema=self.schema,
+                storage_options=self.storage_options,
+                max_rows_per_file=1 << 20,
+            )
+            rows += table.num_rows
+        if not fragments:
+            return AppendResult(0, read_version)
+        ds = lance.LanceDataset.commit(
+            target,
+            lance.LanceOperation.Append(fragments),
+            read_version=read_version,
+            storage_options=self.storage_options,
+        )
+        self._ds_cache = ds
+        return AppendResult(rows, ds.version)
+
+    def record_usage(
+        self, rollout_ids: Sequence[str], learner_step: int, run_id: str = "default"
+    ) -> int:
+        """Append one usage row per id (sampling never rewrites rollout rows)."""
+        self._check_writable()
+        n = len(rollout_ids)
+        if n == 0:
+            return 0
+        now = datetime.now(timezone.utc)
+        sch = S.table_schema("usage")
+        table = pa.table(
+            {
+                "rollout_id": pa.array(list(rollout_ids), pa.string()),
+                "learner_step": pa.array(np.full(n, learner_step, np.int64)),
+                "run_id": pa.array([run_id] * n, pa.string()),
+                "at": pa.array([now] * n, sch.field("at").type),
+            },
+            schema=sch,
+        )
+        lance.write_dataset(
+            table, _join(self.uri, USAGE), mode="append", storage_options=self.storage_options
+        )
+        return n
+
+    # -- maintenance ---------------------------------------------------------------------
+    def compact(self, *, cleanup_older_than: timedelta | None = None) -> dict[str, Any]:
+        """Merge small fragments (one per append) into larger files; optionally drop old versions.
+
+        Old versions stay readable (``checkout``) unless ``cleanup_older_than`` is given.
+        """
+        self._check_writable()
+        out = {}
+        for name in (ROLLOUTS, USAGE):
+            ds = self._open_ds(name)
+            metrics = ds.optimize.compact_files()
+            out[name.split(".")[0]] = {
+                "fragments_removed": metrics.fragments_removed,
+                "fragments_added": metrics.fragments_added,
+            }
+            if cleanup_older_than is not None:
+                stats = self._open_ds(name).cleanup_old_versions(older_than=cleanup_older_than)
+                out[name.split(".")[0]]["bytes_removed"] = stats.bytes_removed
+        self._ds_cache = None
+        return out
+
+    def evict(
+        self,
+        *,
+        keep_last: int | None = None,
+        older_than: timedelta | datetime | None = None,
+        min_policy_version: int | None = None,
+    ) -> EvictResult:
+        """Delete rows by an explicit retention rule (sampling never deletes).
+
+        ``keep_last``: keep the N most recent rollouts by (policy_version, created_at,
+        rollout_id); ``older_than``: drop rows created before now - delta (or before a
+        datetime); ``min_policy_version``: drop rows sampled by older policies.
+        Deletions are a new version; earlier versions stay readable until compaction
+        with cleanup.
+        """
+        self._check_writable()
+        if keep_last is None and older_than is None and min_policy_version is None:
+            raise ValueError("evict needs keep_last, older_than or min_policy_version")
+        ds = self._rollouts()
+        before = ds.count_rows()
+        preds = []
+        if min_policy_version is not None:
+            preds.append(f"policy_version < {int(min_policy_version)}")
+        if older_than is not None:
+            cutoff = (
+                older_than
+                if isinstance(older_than, datetime)
+                else (datetime.now(timezone.utc) - older_than)
+            )
+            if cutoff.tzinfo is None:
+                cutoff = cutoff.replace(tzinfo=timezone.utc)
+            stamp = cutoff.astimezone(timezone.utc).strftime("%Y-%m-%d %H:%M:%S.%f")
+            preds.append(f"created_at < TIMESTAMP '{stamp}'")
+        if keep_last is not None:
+            if keep_last < 0:
+                raise ValueError(f"keep_last must be >= 0, got {keep_last}")
+            pred = self._keep_last_predicate(ds, keep_last)
+            if pred:
+                preds.append(pred)
+        if preds:
+            ds.delete(" OR ".join(f"({p})" for p in preds))
+        self._ds_cache = None
+        after = self._rollouts()
+        return EvictResult(before - after.count_rows(), after.count_rows(), after.version)
+
+    @staticmethod
+    def _keep_last_predicate(ds: lance.LanceDataset, keep: int) -> str | None:
+        if ds.count_rows() <= keep:
+            return None
+        if keep == 0:
+            return "true"
+        from .sql import connect, run
+
+        pv, ts, rid = (
+            run(
+                connect({"rollouts": ds}),
+                "SELECT policy_version, epoch_us(created_at) AS ts, rollout_id FROM rollouts "
+                "ORDER BY policy_version DESC, created_at DESC, rollout_id DESC "
+                "LIMIT 1 OFFSET ?",
+                [keep - 1],
+            )
+            .to_pylist()[0]
+            .values()
+        )
+        stamp = datetime.fromtimestamp(ts / 1e6, timezone.utc).strftime("%Y-%m-%d %H:%M:%S.%f")
+        t = f"TIMESTAMP '{stamp}'"
+        rid = rid.replace("'", "''")
+        return (
+            f"policy_version < {pv} OR (policy_version = {pv} AND (created_at < {t} OR "
+            f"(created_at = {t} AND rollout_id < '{rid}')))"
+        )
+
+    # -- reading -------------------------------------------------------------------------
+    def connect(self):
+        """A locked-down DuckDB connection with views ``rollouts``, ``usage`` and ``groups``."""
+        from .sql import connect
+
+        return connect({"rollouts": self._rollouts(), "usage": self._usage()})
+
+    def sql(self, query: str, params: Sequence | dict | None = None) -> pa.Table:
+        """Run a parameterized DuckDB query over the store's views; returns an Arrow table."""
+        from .sql import run
+
+        return run(self.connect(), query, params)
+
+    def take(
+        self, row_ids: Sequence[int] | np.ndarray, columns: list[str] | None = None
+    ) -> pa.Table:
+        """Rows by position (row offsets in this store version), in the order given."""
+        return self._rollouts().take(np.asarray(row_ids, dtype=np.int64), columns=columns)
+
+    def stats(self) -> dict[str, Any]:
+        """Size, tokens, compression, policy-version histogram, reward by version, reuse."""
+        from .sql import store_stats
+
+        return store_stats(self)
+
+    def bytes_on_disk(self) -> int | None:
+        if not _is_local(self.uri):
+            return None
+        root = self.uri.removeprefix("file://")
+        total = 0
+        for d, _, files in os.walk(os.path.join(root, ROLLOUTS)):
+            total += sum(os.path.getsize(os.path.join(d, f)) for f in files)
+        return total
+
+
+def _chunks(data) -> Iterable:
+    if isinstance(data, (pa.Table, pa.RecordBatch)):
+        return [data]
+    if isinstance(data, pa.RecordBatchReader):
+        return data
+    if isinstance(data, Sequence) and not isinstance(data, (str, bytes)):
+        if data and isinstance(data[0], (pa.Table, pa.RecordBatch)):
+            return data
+        return [list(data)]
+    if isinstance(data, Iterable):
+        return data
+    raise TypeError(
+        f"append() takes a pyarrow.Table, a list of dicts or an iterable of record batches, "
+        f"got {type(data).__name__}"
+    )
+
+
+def _reopen(uri: str, version: int | None, storage_options: dict | None) -> RolloutStore:
+    return RolloutStore(uri, version=version, storage_options=storage_options)

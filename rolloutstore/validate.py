@@ -1,0 +1,247 @@
+"""Turn user input into a schema-v1 Arrow table, or refuse it naming the row and field.
+
+``prepare(data, schema)`` accepts a ``pyarrow.Table``/``RecordBatch`` or a list of
+dicts, fills the store's defaults (rollout ids, prompt ids, token counts,
+created_at) and checks the invariants of DESIGN.md. Every check is vectorised
+over the batch; only the error path walks rows to find the first bad one.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime, timezone
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from .errors import ValidationError
+from .ids import prompt_ids_hash, uuid7_strings
+
+DERIVED = ("num_prompt_tokens", "num_completion_tokens")
+JSON_FIELDS = ("reward_info", "metadata")
+
+
+def _first_true(mask: np.ndarray) -> int | None:
+    idx = np.flatnonzero(mask)
+    return int(idx[0]) if idx.size else None
+
+
+def _to_array(values: list, name: str, type_: pa.DataType) -> pa.Array:
+    if pa.types.is_timestamp(type_) and any(isinstance(v, str) for v in values):
+        # JSON carries timestamps as ISO-8601 strings.
+        return _cast(_to_array(values, name, pa.string()), name, type_)
+    try:
+        return pa.array(values, type=type_)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError, OverflowError) as exc:
+        for i, v in enumerate(values):
+            try:
+                pa.array([v], type=type_)
+            except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError, OverflowError):
+                raise ValidationError(
+                    f"expected {type_}, found {type(v).__name__} {_short(v)}", row=i, field=name
+                ) from exc
+        raise ValidationError(f"cannot convert to {type_}: {exc}", field=name) from exc
+
+
+def _cast(col: pa.ChunkedArray | pa.Array, name: str, type_: pa.DataType) -> pa.Array:
+    if isinstance(col, pa.ChunkedArray):
+        col = col.combine_chunks()
+    if col.type == type_:
+        return col
+    try:
+        return col.cast(type_)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as exc:
+        for i in range(len(col)):
+            try:
+                col.slice(i, 1).cast(type_)
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError):
+                raise ValidationError(
+                    f"expected {type_}, found {col.type} value {_short(col[i].as_py())}",
+                    row=i,
+                    field=name,
+                ) from exc
+        raise ValidationError(f"expected {type_}, found {col.type}", field=name) from exc
+
+
+def _short(v) -> str:
+    s = repr(v)
+    return s if len(s) <= 60 else s[:57] + "..."
+
+
+def _columns_from_rows(rows: Sequence[Mapping], schema: pa.Schema) -> dict[str, pa.Array]:
+    names = set(schema.names)
+    present: dict[str, None] = {}
+    for i, row in enumerate(rows):
+        if not isinstance(row, Mapping):
+            raise ValidationError(f"expected a dict, found {type(row).__name__}", row=i)
+        for key in row:
+            if key not in names:
+                raise ValidationError(_unknown(key, schema), row=i, field=key)
+            present.setdefault(key)
+    return {k: _to_array([r.get(k) for r in rows], k, schema.field(k).type) for k in present}
+
+
+def _unknown(key: str, schema: pa.Schema) -> str:
+    return f"unknown field (not in rollout schema v1; known fields: {', '.join(schema.names)})"
+
+
+def to_table(data, schema: pa.Schema) -> pa.Table:
+    """Convert supported inputs to an Arrow table of schema-typed columns (not yet validated)."""
+    if isinstance(data, pa.RecordBatch):
+        data = pa.Table.from_batches([data])
+    if isinstance(data, pa.Table):
+        cols = {}
+        for name in data.column_names:
+            if name not in schema.names:
+                raise ValidationError(_unknown(name, schema), field=name)
+            cols[name] = _cast(data[name], name, schema.field(name).type)
+        n = data.num_rows
+    elif isinstance(data, Sequence) and not isinstance(data, (str, bytes)):
+        cols = _columns_from_rows(data, schema)
+        n = len(data)
+    else:
+        raise TypeError(
+            f"append() takes a pyarrow.Table, a list of dicts or an iterable of record "
+            f"batches, got {type(data).__name__}"
+        )
+    return pa.table(cols) if cols else pa.table({"_n": pa.nulls(n)}).drop(["_n"])
+
+
+def _fill(col: pa.Array | None, n: int, make) -> pa.Array:
+    """Fill a column's missing values from ``make(k) -> list`` (or create it)."""
+    if col is None:
+        return make(n)
+    nulls = col.is_null().to_numpy(zero_copy_only=False)
+    if not nulls.any():
+        return col
+    values = col.to_pylist()
+    fresh = iter(make(int(nulls.sum())).to_pylist())
+    return pa.array([next(fresh) if m else v for v, m in zip(values, nulls)], type=col.type)
+
+
+def _list_lengths(col: pa.Array) -> np.ndarray:
+    return pc.list_value_length(col).to_numpy(zero_copy_only=False)
+
+
+def _check_required(table: pa.Table, schema: pa.Schema) -> None:
+    for field in schema:
+        if field.nullable:
+            continue
+        if field.name not in table.column_names:
+            raise ValidationError("required field is missing", row=0, field=field.name)
+        row = _first_true(table[field.name].is_null().to_numpy(zero_copy_only=False))
+        if row is not None:
+            raise ValidationError("required field is null", row=row, field=field.name)
+
+
+def _check_values(col: pa.Array, name: str, bad_values, what: str) -> None:
+    """Raise naming the row of the first list element for which ``bad_values(np) -> mask``."""
+    flat = pc.list_flatten(col)
+    if flat.null_count:
+        mask = flat.is_null().to_numpy(zero_copy_only=False)
+        what = "null element in list"
+    else:
+        mask = bad_values(flat.to_numpy(zero_copy_only=False))
+    pos = _first_true(mask)
+    if pos is not None:
+        row = int(pc.list_parent_indices(col)[pos].as_py())
+        value = flat[pos].as_py()
+        raise ValidationError(f"{what}; found {value!r} at position {pos}", row=row, field=name)
+
+
+def _check_invariants(t: pa.Table) -> None:
+    comp = _list_lengths(t["completion_ids"])
+    lp = _list_lengths(t["behavior_logprobs"])
+    row = _first_true(comp != lp)
+    if row is not None:
+        raise ValidationError(
+            f"expected one log-prob per completion token: {comp[row]} completion_ids but "
+            f"{lp[row]} behavior_logprobs",
+            row=row,
+            field="behavior_logprobs",
+        )
+    for name in ("prompt_ids", "completion_ids"):
+        _check_values(t[name], name, lambda v: v < 0, "token ids must be non-negative")
+    _check_values(
+        t["behavior_logprobs"],
+        "behavior_logprobs",
+        lambda v: ~(np.isfinite(v) & (v <= 0)),
+        "log-probs must be finite and <= 0",
+    )
+    for name in ("reward", "advantage", "temperature", "top_p"):
+        if name in t.column_names:
+            v = t[name].to_numpy(zero_copy_only=False).astype(np.float64)
+            valid = ~t[name].is_null().to_numpy(zero_copy_only=False)
+            row = _first_true(valid & ~np.isfinite(np.where(valid, v, 0.0)))
+            if row is not None:
+                raise ValidationError(
+                    f"must be finite or null, found {v[row]}", row=row, field=name
+                )
+    if "embedding" in t.column_names:
+        emb = t["embedding"]
+        _check_values(emb, "embedding", lambda v: ~np.isfinite(v), "embedding must be finite")
+    if "sample_index" in t.column_names:
+        row = _first_true(t["sample_index"].to_numpy(zero_copy_only=False) < 0)
+        if row is not None:
+            raise ValidationError("must be >= 0", row=row, field="sample_index")
+    ids = t["rollout_id"]
+    if pc.count_distinct(ids).as_py() != len(ids):
+        counts = pc.value_counts(ids)
+        dup = counts.filter(pc.greater(counts.field("counts"), 1))[0]["values"].as_py()
+        row = ids.to_pylist().index(dup)
+        raise ValidationError(f"duplicate rollout_id {dup!r} in batch", row=row, field="rollout_id")
+    for name in JSON_FIELDS:
+        if name in t.column_names and t[name].null_count < len(t):
+            for i, s in enumerate(t[name].to_pylist()):
+                if s is None:
+                    continue
+                try:
+                    json.loads(s)
+                except ValueError as exc:
+                    raise ValidationError(
+                        f"expected a JSON string: {exc}", row=i, field=name
+                    ) from exc
+
+
+def prepare(data, schema: pa.Schema, *, now: datetime | None = None) -> pa.Table:
+    """Validate ``data`` and return it as a table of exactly ``schema`` with defaults filled."""
+    t = to_table(data, schema)
+    n = t.num_rows
+    cols = {name: t[name].combine_chunks() for name in t.column_names}
+    for name in ("prompt_ids", "completion_ids", "behavior_logprobs", "policy_version"):
+        if name not in cols:
+            raise ValidationError("required field is missing", row=0, field=name)
+        row = _first_true(cols[name].is_null().to_numpy(zero_copy_only=False))
+        if row is not None:
+            raise ValidationError("required field is null", row=row, field=name)
+    stamp = now or datetime.now(timezone.utc)
+    ts = schema.field("created_at").type
+    cols["rollout_id"] = _fill(cols.get("rollout_id"), n, lambda k: pa.array(uuid7_strings(k)))
+    cols["group_id"] = _fill(cols.get("group_id"), n, lambda k: pa.array(uuid7_strings(k)))
+    cols["run_id"] = _fill(cols.get("run_id"), n, lambda k: pa.array(["default"] * k))
+    cols["sample_index"] = _fill(
+        cols.get("sample_index"), n, lambda k: pa.array(np.zeros(k, np.int32))
+    )
+    cols["created_at"] = _fill(cols.get("created_at"), n, lambda k: pa.array([stamp] * k, ts))
+    given_pid = cols.get("prompt_id")
+    if given_pid is None or given_pid.null_count:
+        hashes = pa.array(prompt_ids_hash(cols["prompt_ids"]))
+        cols["prompt_id"] = hashes if given_pid is None else pc.coalesce(given_pid, hashes)
+    for name, src in zip(DERIVED, ("prompt_ids", "completion_ids")):
+        derived = pa.array(_list_lengths(cols[src]).astype(np.int32))
+        given = cols.get(name)
+        if given is not None:
+            g = given.to_numpy(zero_copy_only=False)
+            row = _first_true(~given.is_null().to_numpy(zero_copy_only=False) & (g != derived))
+            if row is not None:
+                raise ValidationError(
+                    f"expected len({src}) = {derived[row]}, found {g[row]}", row=row, field=name
+                )
+        cols[name] = derived
+    arrays = [cols[f.name] if f.name in cols else pa.nulls(n, type=f.type) for f in schema]
+    table = pa.Table.from_arrays(arrays, schema=schema.remove_metadata())
+    _check_required(table, schema)
+    _check_invariants(table)
+    return table.replace_schema_metadata(schema.metadata)

@@ -1,0 +1,1 @@
+"""rolloutstore's trainer: losses, log-probs, generation, the actor/learner loop."""
