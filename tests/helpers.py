@@ -1,0 +1,29 @@
+"""Test helpers shared by the test modules (importable as `helpers`)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def make_rows(
+    n: int, *, seed: int = 0, policy_version: int = 0, run_id: str = "t", group_size: int = 4
+):
+    """``n`` valid rollout dicts with random lengths, in groups of ``group_size``."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for i in range(n):
+        c = int(rng.integers(1, 40))
+        rows.append(
+            {
+                "run_id": run_id,
+                "group_id": f"{run_id}-{seed}-{i // group_size}",
+                "sample_index": i % group_size,
+                "policy_version": policy_version,
+                "prompt_ids": rng.integers(0, 1000, size=int(rng.integers(1, 20))).tolist(),
+                "completion_ids": rng.integers(0, 1000, size=c).tolist(),
+                "behavior_logprobs": (-rng.exponential(1.0, size=c)).astype(np.float32).tolist(),
+                "reward": float(rng.integers(0, 2)),
+                "temperature": 1.0,
+            }
+        )
+    return rows
