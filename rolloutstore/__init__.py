@@ -7,6 +7,7 @@ store = RolloutStore.open("runs/demo/store")
 from __future__ import annotations
 
 from .errors import (
+    IngestError,
     QueryError,
     ReadOnlyError,
     RolloutStoreError,
@@ -20,6 +21,7 @@ from .store import AppendResult, EvictResult, RolloutStore
 __version__ = "0.1.0"
 
 __all__ = [
+    "IngestError",
     "AppendResult",
     "EvictResult",
     "QueryError",

@@ -23,10 +23,39 @@ from rolloutstore import schema as S
 from rolloutstore.ids import prompt_id_of
 from rolloutstore.proxy import proxy_batches, proxy_table
 
-DESIGN_COLUMNS = """rollout_id run_id prompt_id group_id sample_index policy_version policy_id
-tokenizer_fingerprint prompt_ids completion_ids behavior_logprobs prompt_text completion_text
-finish_reason temperature top_p top_k max_tokens seed logprobs_mode generator reward reward_info
-advantage embedding created_at num_prompt_tokens num_completion_tokens task tags metadata""".split()
+DESIGN_COLUMNS = [
+    "rollout_id",
+    "run_id",
+    "prompt_id",
+    "group_id",
+    "sample_index",
+    "policy_version",
+    "policy_id",
+    "tokenizer_fingerprint",
+    "prompt_ids",
+    "completion_ids",
+    "behavior_logprobs",
+    "prompt_text",
+    "completion_text",
+    "finish_reason",
+    "temperature",
+    "top_p",
+    "top_k",
+    "max_tokens",
+    "seed",
+    "logprobs_mode",
+    "generator",
+    "reward",
+    "reward_info",
+    "advantage",
+    "embedding",
+    "created_at",
+    "num_prompt_tokens",
+    "num_completion_tokens",
+    "task",
+    "tags",
+    "metadata",
+]
 
 
 def test_schema_has_every_design_column_from_the_json_file():
