@@ -216,7 +216,7 @@ def bench_encodings(table: pa.Table, work: Path) -> list[dict]:
             {
                 "lance-encoding:compression": "zstd",
                 "lance-encoding:compression-level": "3",
-                "lance-encoding:bss": "auto",
+                "lance-encoding:bss": "on",
             }
         ),
         "Lance none": with_child_meta({"lance-encoding:compression": "none"}),
