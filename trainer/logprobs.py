@@ -1,0 +1,392 @@
+"""Per-token log-probabilities (and entropies) of target tokens, computed in chunks.
+
+The learner needs ``log p(y_t | y_<t)`` for every generated token. Done naively this materialises
+the full ``(T, V)`` float32 logits — for T = 32k and V = 150k that is ~19 GB before autograd
+keeps its own copies for backward. Here the LM head is applied to the final hidden states a
+chunk of ``chunk_size`` rows at a time inside a custom ``torch.autograd.Function``: forward keeps
+only per-token scalars, and backward recomputes each chunk's logits, turns them into the
+gradient w.r.t. those logits analytically, and folds that into the gradients of the hidden
+states, the head weight and bias before moving on. Peak extra memory is therefore
+``O(chunk_size * V)`` in both forward and backward; nothing of size ``T * V`` is ever saved.
+
+Sampling processors: the generator may have sampled with temperature, top-k and top-p. The
+log-probs returned are under the *processed* distribution the generator actually sampled from:
+
+1. logits are divided by ``temperature``;
+2. top-k keeps every token whose scaled logit is >= the k-th largest one (so ties at the k-th
+   value are all kept and the kept set never depends on sort order);
+3. top-p (on the top-k-renormalised distribution) keeps every token whose probability is >= the
+   smallest probability p* such that the mass of tokens strictly more likely than p*'s token is
+   < top_p. Equivalently, a token is dropped only when the tokens strictly more probable than
+   it already cover ``top_p``; tokens of equal probability are kept or dropped together.
+
+Tokens outside the kept set get log-prob ``-inf``; the entropy is that of the processed
+distribution. The kept set is treated as a constant of the logits (no gradient through the
+selection), as in any sampler.
+
+Double backward through the chunked head is not supported (nothing in the trainer needs it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "LogProbOutput",
+    "naive_token_logprobs",
+    "packed_target_mask",
+    "sequence_logprobs",
+    "token_logprobs",
+]
+
+
+@dataclass(frozen=True)
+class LogProbOutput:
+    """Per-token log-probs, shaped like ``targets``; ``entropy`` only when requested."""
+
+    logprobs: Tensor
+    entropy: Tensor | None = None
+
+
+def _validate(
+    hidden: Tensor,
+    lm_head_weight: Tensor,
+    targets: Tensor,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    chunk_size: int,
+    lm_head_bias: Tensor | None,
+) -> None:
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature!r}")
+    if top_k is not None and (isinstance(top_k, bool) or int(top_k) != top_k or top_k < 1):
+        raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1] or None, got {top_p!r}")
+    if isinstance(chunk_size, bool) or int(chunk_size) != chunk_size or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    if lm_head_weight.dim() != 2:
+        raise ValueError(f"lm_head_weight must be (V, H), got shape {tuple(lm_head_weight.shape)}")
+    if hidden.dim() not in (2, 3) or hidden.shape[-1] != lm_head_weight.shape[1]:
+        raise ValueError(
+            f"hidden must be (B, T, H) or (N, H) with H={lm_head_weight.shape[1]}, "
+            f"got shape {tuple(hidden.shape)}"
+        )
+    if tuple(targets.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(
+            f"targets shape {tuple(targets.shape)} must equal hidden.shape[:-1] "
+            f"{tuple(hidden.shape[:-1])}"
+        )
+    if targets.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"targets must be an integer tensor, got dtype {targets.dtype}")
+    if lm_head_bias is not None and tuple(lm_head_bias.shape) != (lm_head_weight.shape[0],):
+        raise ValueError(
+            f"lm_head_bias must be (V,)=({lm_head_weight.shape[0]},), "
+            f"got {tuple(lm_head_bias.shape)}"
+        )
+
+
+def _keep_mask(scaled: Tensor, top_k: int | None, top_p: float | None) -> Tensor | None:
+    """Boolean (N, V) mask of the tokens the sampler could emit, or None when all can."""
+    keep: Tensor | None = None
+    vocab = scaled.shape[-1]
+    if top_k is not None and top_k < vocab:
+        kth = torch.topk(scaled, top_k, dim=-1).values[:, -1:]
+        keep = scaled >= kth
+    if top_p is not None and top_p < 1.0:
+        masked = scaled if keep is None else scaled.masked_fill(~keep, float("-inf"))
+        probs = torch.softmax(masked, dim=-1)
+        sorted_probs = torch.sort(probs, dim=-1, descending=True).values
+        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+        # Thresholding on a probability *value* (not a sorted position) keeps ties together.
+        n_keep = (mass_before < top_p).sum(dim=-1, keepdim=True).clamp(min=1)
+        threshold = sorted_probs.gather(-1, n_keep - 1)
+        keep_p = probs >= threshold
+        keep = keep_p if keep is None else keep & keep_p
+    return keep
+
+
+def _softmax_dtype(dtype: torch.dtype) -> torch.dtype:
+    # At least float32 (bf16/fp16 softmax is too coarse for log-probs); float64 stays float64.
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _chunk_stats(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    targets: Tensor,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+) -> tuple[Tensor, Tensor, Tensor | None, Tensor, Tensor]:
+    """Float32 processed log-softmax of one chunk.
+
+    Returns ``(logp (C, V), safe_targets (C,), keep (C, V) or None, target_logp (C,),
+    valid (C,))`` where ``valid`` marks non-negative (non-ignored) targets.
+    """
+    # The matmul runs in the model's dtype, like the model's own lm_head; only the softmax is
+    # promoted, which is what the generator's sampler saw too.
+    logits = hidden @ weight.t()
+    if bias is not None:
+        logits = logits + bias
+    scaled = logits.to(_softmax_dtype(logits.dtype)) / temperature
+    keep = _keep_mask(scaled, top_k, top_p)
+    if keep is not None:
+        scaled = scaled.masked_fill(~keep, float("-inf"))
+    logp = torch.log_softmax(scaled, dim=-1)
+    valid = targets >= 0
+    safe_targets = torch.where(valid, targets, torch.zeros_like(targets)).long()
+    target_logp = logp.gather(-1, safe_targets[:, None]).squeeze(-1)
+    target_logp = torch.where(valid, target_logp, torch.zeros_like(target_logp))
+    return logp, safe_targets, keep, target_logp, valid
+
+
+def _entropy_from_logp(logp: Tensor) -> Tensor:
+    # p * log p is 0 * -inf = nan on dropped tokens; their true contribution is 0. The -inf is
+    # replaced *before* the product so autograd never multiplies a zero gradient by -inf.
+    p = logp.exp()
+    safe_logp = torch.where(p > 0, logp, torch.zeros_like(logp))
+    return -(p * safe_logp).sum(dim=-1)
+
+
+class _ChunkedHeadLogProbs(torch.autograd.Function):
+    """(N, H) hidden -> (N,) target log-probs and (N,) entropies, one chunk of rows at a time."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        hidden: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        targets: Tensor,
+        temperature: float,
+        top_k: int | None,
+        top_p: float | None,
+        chunk_size: int,
+        with_entropy: bool,
+    ) -> tuple[Tensor, Tensor]:
+        n = hidden.shape[0]
+        out_dtype = _softmax_dtype(hidden.dtype)
+        out_logp = torch.empty(n, dtype=out_dtype, device=hidden.device)
+        out_ent = torch.zeros(n, dtype=out_dtype, device=hidden.device)
+        for start in range(0, n, chunk_size):
+            stop = min(start + chunk_size, n)
+            logp, _, _, target_logp, _ = _chunk_stats(
+                hidden[start:stop], weight, bias, targets[start:stop], temperature, top_k, top_p
+            )
+            out_logp[start:stop] = target_logp
+            if with_entropy:
+                out_ent[start:stop] = _entropy_from_logp(logp)
+        # Only the inputs are saved: O(N*H + V*H), never O(N*V).
+        ctx.save_for_backward(hidden, weight, bias, targets)
+        ctx.temperature = temperature
+        ctx.top_k = top_k
+        ctx.top_p = top_p
+        ctx.chunk_size = chunk_size
+        ctx.with_entropy = with_entropy
+        if not with_entropy:
+            ctx.mark_non_differentiable(out_ent)
+        return out_logp, out_ent
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad_logp: Tensor | None, grad_ent: Tensor | None) -> tuple:
+        hidden, weight, bias, targets = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_hidden = torch.zeros_like(hidden) if need_h else None
+        # Accumulate the head gradients in float32 across chunks; cast once at the end.
+        f32 = {"dtype": _softmax_dtype(weight.dtype), "device": weight.device}
+        grad_weight = torch.zeros(weight.shape, **f32) if need_w else None
+        grad_bias = torch.zeros(weight.shape[0], **f32) if need_b else None
+        n = hidden.shape[0]
+        for start in range(0, n, ctx.chunk_size):
+            stop = min(start + ctx.chunk_size, n)
+            h = hidden[start:stop]
+            logp, safe_t, keep, _, valid = _chunk_stats(
+                h, weight, bias, targets[start:stop], ctx.temperature, ctx.top_k, ctx.top_p
+            )
+            p = logp.exp()
+            # d log p_y / d s = onehot(y) - p, with s the processed (scaled, masked) logits.
+            grad_s = torch.zeros_like(p)
+            if grad_logp is not None:
+                g = torch.where(valid, grad_logp[start:stop].to(p.dtype), torch.zeros_like(p[:, 0]))
+                grad_s = grad_s - g[:, None] * p
+                grad_s.scatter_add_(-1, safe_t[:, None], g[:, None])
+            if ctx.with_entropy and grad_ent is not None:
+                # dH/ds_j = -p_j (log p_j + H); dropped tokens have p_j = 0.
+                safe_logp = torch.where(p > 0, logp, torch.zeros_like(logp))
+                ent = -(p * safe_logp).sum(dim=-1, keepdim=True)
+                g_ent = grad_ent[start:stop].to(p.dtype)
+                grad_s = grad_s - g_ent[:, None] * p * (safe_logp + ent)
+            if keep is not None:
+                # Dropped logits were replaced by a constant -inf: no gradient reaches them.
+                grad_s = grad_s * keep
+            grad_z = grad_s / ctx.temperature  # (C, V), softmax dtype
+            if grad_hidden is not None:
+                grad_hidden[start:stop] = grad_z.to(weight.dtype) @ weight
+            if grad_weight is not None:
+                grad_weight.addmm_(grad_z.t(), h.to(grad_z.dtype))
+            if grad_bias is not None:
+                grad_bias += grad_z.sum(dim=0)
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
+        if grad_bias is not None:
+            grad_bias = grad_bias.to(bias.dtype)
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
+
+
+def token_logprobs(
+    hidden: Tensor,
+    lm_head_weight: Tensor,
+    targets: Tensor,
+    *,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    chunk_size: int = 1024,
+    return_entropy: bool = False,
+    lm_head_bias: Tensor | None = None,
+) -> LogProbOutput:
+    """Log-probs of ``targets`` under ``softmax(process(hidden @ W.T + b) / temperature)``.
+
+    Args:
+        hidden: final hidden states, ``(B, T, H)`` or ``(N, H)``.
+        lm_head_weight: ``(V, H)``.
+        targets: token ids shaped ``hidden.shape[:-1]``; negative ids (e.g. -100 padding) give
+            log-prob 0, entropy still computed, and no gradient.
+        temperature, top_k, top_p: the sampler's processing (see module docstring).
+        chunk_size: rows of the flattened ``(N, H)`` hidden states per LM-head call; peak extra
+            memory is a handful of ``(chunk_size, V)`` float32 buffers, in forward and backward.
+        return_entropy: also return the per-token entropy of the processed distribution.
+        lm_head_bias: optional ``(V,)``.
+
+    Returns:
+        ``LogProbOutput`` with ``logprobs`` (and ``entropy``) shaped like ``targets``, in float32
+        (float64 if ``hidden`` is float64).
+    """
+    _validate(hidden, lm_head_weight, targets, temperature, top_k, top_p, chunk_size, lm_head_bias)
+    flat_h = hidden.reshape(-1, hidden.shape[-1])
+    flat_t = targets.reshape(-1)
+    logp, ent = _ChunkedHeadLogProbs.apply(
+        flat_h,
+        lm_head_weight,
+        lm_head_bias,
+        flat_t,
+        float(temperature),
+        None if top_k is None else int(top_k),
+        None if top_p is None else float(top_p),
+        int(chunk_size),
+        bool(return_entropy),
+    )
+    return LogProbOutput(
+        logprobs=logp.reshape(targets.shape),
+        entropy=ent.reshape(targets.shape) if return_entropy else None,
+    )
+
+
+def naive_token_logprobs(
+    hidden: Tensor,
+    lm_head_weight: Tensor,
+    targets: Tensor,
+    *,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    chunk_size: int = 1024,
+    return_entropy: bool = False,
+    lm_head_bias: Tensor | None = None,
+) -> LogProbOutput:
+    """Reference for :func:`token_logprobs` via plain autograd over the full logits.
+
+    ``chunk_size`` is accepted for signature parity and ignored. Materialises ``(N, V)``.
+    """
+    _validate(hidden, lm_head_weight, targets, temperature, top_k, top_p, chunk_size, lm_head_bias)
+    flat_h = hidden.reshape(-1, hidden.shape[-1])
+    logp, _, _, target_logp, _ = _chunk_stats(
+        flat_h, lm_head_weight, lm_head_bias, targets.reshape(-1), temperature, top_k, top_p
+    )
+    entropy = _entropy_from_logp(logp).reshape(targets.shape) if return_entropy else None
+    return LogProbOutput(logprobs=target_logp.reshape(targets.shape), entropy=entropy)
+
+
+def _check_plain_head(model: Any) -> None:
+    config = getattr(model, "config", None)
+    for attr in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
+        value = getattr(config, attr, None)
+        # Heads that rescale or soft-cap logits would silently give wrong log-probs here.
+        if value not in (None, 1, 1.0):
+            raise ValueError(
+                f"model config has {attr}={value!r}; sequence_logprobs only supports a plain "
+                "linear lm_head"
+            )
+
+
+def sequence_logprobs(
+    model: Any,
+    input_ids: Tensor,
+    *,
+    attention_mask: Tensor | None = None,
+    position_ids: Tensor | None = None,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    chunk_size: int = 1024,
+    return_entropy: bool = False,
+) -> LogProbOutput:
+    """Next-token log-probs of ``input_ids`` under a HuggingFace causal LM, chunked.
+
+    Runs the base transformer ``model.model`` to get the final hidden states and applies
+    ``model.lm_head`` through :func:`token_logprobs`, so ``model(...).logits`` is never built.
+
+    Alignment: the output has shape ``(B, T-1)`` and ``out[:, t]`` is
+    ``log p(input_ids[:, t + 1] | input_ids[:, :t + 1])``, i.e. the log-prob of the token at
+    position ``t + 1``. To line it up with per-token tensors of length T (response masks, stored
+    behaviour log-probs), drop their first column: ``mask[:, 1:]``.
+
+    Packed sequences: pass ``position_ids`` that restart at 0 at the start of every packed
+    sequence and ``attention_mask=None``. Position ids are forwarded to the model unchanged;
+    whether attention is isolated between the packed sequences is up to the model's attention
+    implementation (recent transformers derive a block-causal mask from restarting position ids
+    when no mask is given; on GPU, flash-attention varlen gives true isolation without the
+    ``(T, T)`` mask). The log-prob at each sequence boundary (last token of one sequence
+    "predicting" the first of the next) is meaningless: mask it with :func:`packed_target_mask`.
+    """
+    if input_ids.dim() != 2 or input_ids.shape[1] < 2:
+        raise ValueError(f"input_ids must be (B, T) with T >= 2, got {tuple(input_ids.shape)}")
+    _check_plain_head(model)
+    out = model.model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        use_cache=False,
+    )
+    hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+    head = model.lm_head
+    return token_logprobs(
+        hidden[:, :-1],
+        head.weight,
+        input_ids[:, 1:],
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        chunk_size=chunk_size,
+        return_entropy=return_entropy,
+        lm_head_bias=getattr(head, "bias", None),
+    )
+
+
+def packed_target_mask(position_ids: Tensor) -> Tensor:
+    """``(B, T)`` packed position ids -> ``(B, T-1)`` bool mask aligned like sequence_logprobs.
+
+    False where the target token starts a new packed sequence (its position id is 0), because
+    the preceding token belongs to another sequence.
+    """
+    if position_ids.dim() != 2:
+        raise ValueError(f"position_ids must be (B, T), got {tuple(position_ids.shape)}")
+    return position_ids[:, 1:] != 0
