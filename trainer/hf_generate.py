@@ -1,0 +1,277 @@
+"""Sample rollouts with Hugging Face ``transformers`` and record behaviour log-probs.
+
+:class:`HFGenerator` is the reference (CPU-friendly) generation backend: it samples
+``group_size`` completions per prompt with ``model.generate`` and returns one dict per completion
+using the store's schema-v1 field names. ``behavior_logprobs`` are log-probs of the sampled
+tokens under the *processed* distribution they were drawn from (temperature, then top-k, then
+top-p), i.e. ``log_softmax`` of the ``scores`` that ``generate(output_scores=True)`` returns --
+transformers samples from ``softmax(scores)`` and stores exactly those tensors.
+:func:`teacher_forced_logprobs` recomputes the same quantity from a single forward pass; the two
+agree to float32 precision for the same weights (see tests/trainer/test_hf_generate.py).
+
+Greedy decoding (``temperature=0``) is rejected: the behaviour policy would be a point mass whose
+log-probs are all 0, which importance-weighted off-policy losses cannot use.
+
+Example::
+
+    gen = HFGenerator("/tmp/tiny", policy_version=3)
+    rollouts = gen.generate(["Compute 2+3. Answer:"], group_size=4, temperature=0.7, seed=1)
+"""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+
+LOGPROBS_MODE = "processed_logprobs"
+
+
+def _check_sampling(temperature: float, top_p: float, top_k: int) -> None:
+    if not temperature > 0:
+        raise ValueError(
+            f"temperature must be > 0, got {temperature}; greedy decoding is not supported "
+            "because its behaviour log-probs are degenerate"
+        )
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+        raise ValueError(f"top_k must be an int >= 0 (0 disables it), got {top_k!r}")
+
+
+def process_logits(
+    logits: torch.Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0
+) -> torch.Tensor:
+    """Apply temperature, top-k, then top-p to ``(..., vocab)`` logits; filtered entries -> -inf.
+
+    Mirrors the order and tie/threshold rules of transformers' sampling warpers: top-k keeps every
+    logit >= the k-th largest (ties survive); top-p (on the top-k-filtered distribution) drops
+    the tokens whose ascending cumulative probability is <= 1 - top_p, always keeping the
+    most likely token.
+    """
+    _check_sampling(temperature, top_p, top_k)
+    scores = logits.float()
+    if temperature != 1.0:
+        scores = scores / temperature
+    if 0 < top_k < scores.size(-1):
+        kth = torch.topk(scores, top_k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, dim=-1, descending=False)
+        cum = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+        drop_sorted = cum <= (1 - top_p)
+        drop_sorted[..., -1] = False
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        scores = scores.masked_fill(drop, float("-inf"))
+    return scores
+
+
+def teacher_forced_logprobs(
+    model: Any,
+    prompt_ids: list[int] | torch.Tensor,
+    completion_ids: list[int] | torch.Tensor,
+    temperature: float,
+    top_p: float = 1.0,
+    top_k: int = 0,
+) -> torch.Tensor:
+    """Log-probs (float32, one per completion token) of ``completion_ids`` after ``prompt_ids``.
+
+    Runs one unpadded forward pass over prompt + completion, applies :func:`process_logits`
+    with the sampling settings and gathers each completion token's log-prob. Gradients flow if
+    the caller has them enabled; wrap in ``torch.no_grad()`` for evaluation.
+    """
+    _check_sampling(temperature, top_p, top_k)
+    prompt = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(-1)
+    completion = torch.as_tensor(completion_ids, dtype=torch.long).reshape(-1)
+    if prompt.numel() == 0:
+        raise ValueError("prompt_ids must be non-empty (the first completion token needs context)")
+    if completion.numel() == 0:
+        return torch.zeros(0, dtype=torch.float32)
+    device = next(model.parameters()).device
+    ids = torch.cat([prompt, completion]).to(device)[None]
+    logits = model(input_ids=ids).logits[0]
+    # The logit at position i predicts token i + 1.
+    start = prompt.numel() - 1
+    step_logits = logits[start : start + completion.numel()]
+    logp = torch.log_softmax(process_logits(step_logits, temperature, top_p, top_k), dim=-1)
+    return logp.gather(-1, completion.to(device)[:, None]).squeeze(-1).float()
+
+
+class HFGenerator:
+    """Batched sampling with transformers, returning store-ready rollout dicts.
+
+    ``max_batch_size`` bounds how many sequences go through one ``generate`` call (the scores
+    of every step are kept, ``batch x steps x vocab`` floats); chunks draw from one seeded RNG
+    stream, so results do not depend on the host's global RNG state.
+    """
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        policy_version: int = 0,
+        policy_id: str | None = None,
+        max_batch_size: int | None = None,
+    ) -> None:
+        if isinstance(policy_version, bool) or not isinstance(policy_version, int):
+            raise ValueError(f"policy_version must be an int, got {policy_version!r}")
+        if max_batch_size is not None and max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be None or >= 1, got {max_batch_size}")
+        import transformers
+        from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+        from trainer.tiny import tokenizer_fingerprint
+
+        self.model_path = Path(model_path)
+        self.device = torch.device(device)
+        self.policy_version = policy_version
+        self.policy_id = policy_id
+        self.max_batch_size = max_batch_size
+        self.generator_name = f"transformers/{transformers.__version__}"
+
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model_path), local_files_only=True)
+        self.tokenizer.padding_side = "left"
+        model = AutoModelForCausalLM.from_pretrained(
+            str(model_path), dtype=dtype, local_files_only=True
+        )
+        # Cast explicitly: older transformers ignore the ``dtype`` keyword (it was ``torch_dtype``).
+        self.model = model.to(device=self.device, dtype=dtype).eval()
+
+        eos: set[int] = set()
+        for source in (self.model.generation_config.eos_token_id, self.tokenizer.eos_token_id):
+            if source is None:
+                continue
+            eos.update([source] if isinstance(source, int) else source)
+        if not eos:
+            raise ValueError(
+                f"{model_path}: neither the tokenizer nor the model defines an EOS token"
+            )
+        self.eos_token_ids = sorted(eos)
+        pad = self.tokenizer.pad_token_id
+        self.pad_token_id = pad if pad is not None else self.eos_token_ids[0]
+        # A checkpoint's generation_config may carry repetition penalties, min_p, default top_k
+        # and so on, which generate() would silently merge in; the recorded log-probs are only
+        # right if temperature/top-k/top-p are the whole processing chain.
+        self.model.generation_config = GenerationConfig(
+            eos_token_id=self.eos_token_ids, pad_token_id=self.pad_token_id
+        )
+        self.tokenizer_fingerprint = tokenizer_fingerprint(self.tokenizer)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompts: list[str],
+        *,
+        group_size: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        max_tokens: int = 64,
+        seed: int = 0,
+    ) -> list[dict[str, Any]]:
+        """Sample ``group_size`` completions per prompt; one dict per completion, prompt-major."""
+        if isinstance(prompts, str) or not all(isinstance(p, str) for p in prompts):
+            raise ValueError("prompts must be a list of str")
+        if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+            raise ValueError(f"group_size must be an int >= 1, got {group_size!r}")
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
+        _check_sampling(temperature, top_p, top_k)
+        if not prompts:
+            return []
+
+        prompt_ids = [self.tokenizer(p)["input_ids"] for p in prompts]
+        if any(len(ids) == 0 for ids in prompt_ids):
+            raise ValueError("every prompt must tokenize to at least one token")
+        rows = [(i, j) for i in range(len(prompts)) for j in range(group_size)]
+        chunk = self.max_batch_size or len(rows)
+
+        sampled: list[tuple[list[int], list[float]]] = []
+        fork_devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=fork_devices):
+            torch.manual_seed(seed)
+            for start in range(0, len(rows), chunk):
+                batch = [prompt_ids[i] for i, _ in rows[start : start + chunk]]
+                sampled.extend(self._generate_batch(batch, temperature, top_p, top_k, max_tokens))
+
+        group_ids = [uuid.uuid4().hex for _ in prompts]
+        out = []
+        for (i, j), (completion_ids, logprobs) in zip(rows, sampled):
+            finished = bool(completion_ids) and completion_ids[-1] in self.eos_token_ids
+            out.append(
+                {
+                    "prompt_ids": list(prompt_ids[i]),
+                    "completion_ids": completion_ids,
+                    "behavior_logprobs": logprobs,
+                    "prompt_text": prompts[i],
+                    "completion_text": self.tokenizer.decode(
+                        completion_ids, skip_special_tokens=True
+                    ),
+                    "finish_reason": "stop" if finished else "length",
+                    "temperature": float(temperature),
+                    "top_p": float(top_p),
+                    "top_k": int(top_k),
+                    "max_tokens": int(max_tokens),
+                    "seed": int(seed),
+                    "logprobs_mode": LOGPROBS_MODE,
+                    "generator": self.generator_name,
+                    "policy_version": self.policy_version,
+                    "policy_id": self.policy_id,
+                    "tokenizer_fingerprint": self.tokenizer_fingerprint,
+                    "group_id": group_ids[i],
+                    "sample_index": j,
+                }
+            )
+        return out
+
+    def _generate_batch(
+        self,
+        batch: list[list[int]],
+        temperature: float,
+        top_p: float,
+        top_k: int,
+        max_tokens: int,
+    ) -> list[tuple[list[int], list[float]]]:
+        width = max(len(ids) for ids in batch)
+        input_ids = torch.full((len(batch), width), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for r, ids in enumerate(batch):
+            # Left padding keeps every row's last prompt token at the same (final) position.
+            input_ids[r, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
+            attention_mask[r, width - len(ids) :] = 1
+        result = self.model.generate(
+            input_ids=input_ids.to(self.device),
+            attention_mask=attention_mask.to(self.device),
+            do_sample=True,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            max_new_tokens=max_tokens,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
+        generated = result.sequences[:, width:].cpu()
+        # One (batch,) vector per step: the sampled token's log-prob under softmax(scores).
+        step_logprobs = torch.stack(
+            [
+                torch.log_softmax(s.float(), dim=-1)
+                .gather(-1, generated[:, t : t + 1].to(s.device))
+                .squeeze(-1)
+                .cpu()
+                for t, s in enumerate(result.scores)
+            ],
+            dim=1,
+        )
+        eos = torch.tensor(self.eos_token_ids)
+        out = []
+        for r in range(len(batch)):
+            tokens = generated[r]
+            hits = torch.isin(tokens, eos).nonzero()
+            # Everything after the first EOS is padding generate() filled in for a finished row.
+            n = int(hits[0, 0]) + 1 if hits.numel() else tokens.numel()
+            out.append((tokens[:n].tolist(), step_logprobs[r, :n].tolist()))
+        return out

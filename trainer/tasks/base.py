@@ -1,0 +1,71 @@
+"""Core types shared by every task: prompts, reward results and the ``Task`` base class.
+
+A task produces prompts with a known reference answer and scores completions with a pure,
+deterministic reward function (no model, no network, no side effects), so rewards stored next to
+rollouts can always be recomputed and audited. Import it as ``from trainer.tasks import Task``.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One task instance: the text fed to the policy and the reference answer it is scored against.
+
+    ``meta`` carries task-specific structured data the verifier needs (e.g. countdown's numbers
+    and target) so the reward never has to re-parse ``prompt_text``.
+    """
+
+    prompt_text: str
+    answer: str
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.prompt_text, str):
+            raise ValueError(f"prompt_text must be a str, got {type(self.prompt_text).__name__}")
+        if not isinstance(self.answer, str):
+            raise ValueError(f"answer must be a str, got {type(self.answer).__name__}")
+
+
+@dataclass(frozen=True)
+class RewardResult:
+    """A scalar reward plus a JSON-serialisable explanation (parsed answer, error, components)."""
+
+    reward: float
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class Task(abc.ABC):
+    """A source of prompts with a verifiable reward.
+
+    Subclasses set ``name`` and implement :meth:`make_prompts` (deterministic in ``seed``) and
+    :meth:`reward` (a pure function of the prompt and the completion text).
+    """
+
+    name: str = ""
+
+    @abc.abstractmethod
+    def make_prompts(self, n: int, seed: int) -> list[Prompt]:
+        """Return ``n`` prompts; the same ``(n, seed)`` must always give the same prompts."""
+
+    @abc.abstractmethod
+    def reward(self, prompt: Prompt, completion_text: str) -> RewardResult:
+        """Score ``completion_text`` as an answer to ``prompt``."""
+
+    def rewards(self, prompts: list[Prompt], completions: list[str]) -> list[RewardResult]:
+        """Score a batch pairwise; a convenience over :meth:`reward`."""
+        if len(prompts) != len(completions):
+            raise ValueError(
+                f"got {len(prompts)} prompts but {len(completions)} completions; they must pair up"
+            )
+        return [self.reward(p, c) for p, c in zip(prompts, completions)]
+
+
+def check_count(n: int) -> None:
+    """Validate the ``n`` argument of ``make_prompts``."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"n must be a non-negative int, got {n!r}")

@@ -1,0 +1,254 @@
+"""Build a tiny, random-weight Qwen2 model and its byte-level BPE tokenizer entirely offline.
+
+The model is for tests and smoke runs of generation/training plumbing (HF and vLLM backends):
+it has the real Qwen2 architecture and a real tokenizer trained on the chosen task's own text,
+but random weights, so it babbles. Everything is deterministic in ``seed``: the same arguments
+give byte-identical ``tokenizer.json`` and ``model.safetensors``.
+
+Python: ``make_tiny_model(tmp_path / "tiny", task="arith", seed=0)``.
+CLI:    ``python tools/make_tiny_model.py PATH --task arith --seed 0``.
+
+:func:`tokenizer_fingerprint` identifies a tokenizer by content (vocab, merges, special tokens);
+rollouts are only reused across tokenizers that share a fingerprint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+EOS_TOKEN = "<|endoftext|>"
+PAD_TOKEN = "<|pad|>"
+# vLLM's CPU attention kernels only accept a few head sizes; 64 is the smallest common one.
+REQUIRED_HEAD_DIM = 64
+# unk is left out: byte-level BPE never emits it, and Qwen2Tokenizer invents a default one.
+_SPECIAL_ATTRS = ("bos_token", "eos_token", "pad_token")
+
+
+def _training_texts(task: str, seed: int, n: int, task_kwargs: Mapping[str, Any]) -> list[str]:
+    from trainer.tasks import get_task
+
+    prompts = get_task(task, **dict(task_kwargs)).make_prompts(n, seed)
+    texts = []
+    for p in prompts:
+        # Both answer styles, so "<answer>" tags get merged tokens like the bare answers do.
+        texts.append(f"{p.prompt_text} {p.answer}")
+        texts.append(f"{p.prompt_text} <answer>{p.answer}</answer>")
+    return texts
+
+
+def train_tokenizer(texts: list[str], vocab_size: int) -> Any:
+    """Train a byte-level BPE ``tokenizers.Tokenizer`` laid out exactly like Qwen2's.
+
+    The normaliser, pre-tokeniser (Qwen2's split regex, then ByteLevel) and decoder are the ones
+    ``transformers``' ``Qwen2Tokenizer`` rebuilds when ``AutoTokenizer`` (and so vLLM) loads a
+    ``qwen2`` checkpoint; any other layout would tokenise differently depending on the loader.
+    When the corpus runs out of merges below ``vocab_size``, reserved special tokens fill the
+    rest so that every id the model can sample decodes (to nothing).
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+    tok = Tokenizer(models.BPE(continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=1,
+        special_tokens=[EOS_TOKEN, PAD_TOKEN],
+        # The full byte alphabet keeps every string encodable, not just the training text.
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    n_reserved = vocab_size - tok.get_vocab_size()
+    if n_reserved > 0:
+        tok.add_special_tokens([f"<|reserved_{i}|>" for i in range(n_reserved)])
+    return tok
+
+
+def _validate(
+    hidden_size: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    vocab_size: int,
+    intermediate_size: int,
+    max_position_embeddings: int,
+) -> None:
+    for name, value in (
+        ("hidden_size", hidden_size),
+        ("num_layers", num_layers),
+        ("num_heads", num_heads),
+        ("num_kv_heads", num_kv_heads),
+        ("vocab_size", vocab_size),
+        ("intermediate_size", intermediate_size),
+        ("max_position_embeddings", max_position_embeddings),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if hidden_size % num_heads or hidden_size // num_heads != REQUIRED_HEAD_DIM:
+        raise ValueError(
+            f"head_dim = hidden_size / num_heads must be {REQUIRED_HEAD_DIM} (vLLM CPU kernels), "
+            f"got hidden_size={hidden_size}, num_heads={num_heads}"
+        )
+    if num_heads % num_kv_heads:
+        raise ValueError(
+            f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+        )
+    if vocab_size < 258:
+        raise ValueError(
+            f"vocab_size must be >= 258 (256 bytes + 2 special tokens), got {vocab_size}"
+        )
+
+
+def make_tiny_model(
+    path: str | Path,
+    *,
+    task: str = "arith",
+    seed: int = 0,
+    hidden_size: int = 128,
+    num_layers: int = 2,
+    num_heads: int = 2,
+    num_kv_heads: int = 1,
+    vocab_size: int = 512,
+    intermediate_size: int = 256,
+    max_position_embeddings: int = 4096,
+    num_texts: int = 4000,
+    task_kwargs: Mapping[str, Any] | None = None,
+) -> Path:
+    """Write a tokenizer + random Qwen2ForCausalLM to ``path`` and return it.
+
+    The tokenizer is trained on ``num_texts`` prompts of ``task`` (built with ``task_kwargs``)
+    drawn with ``seed``; the weights are initialised under ``torch.manual_seed(seed)`` without
+    disturbing the caller's global RNG.
+    """
+    _validate(
+        hidden_size,
+        num_layers,
+        num_heads,
+        num_kv_heads,
+        vocab_size,
+        intermediate_size,
+        max_position_embeddings,
+    )
+    if num_texts < 1:
+        raise ValueError(f"num_texts must be >= 1, got {num_texts}")
+    import torch
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    # Draw the texts first so a bad task name fails before anything is written.
+    texts = _training_texts(task, seed, num_texts, task_kwargs or {})
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+
+    backend = train_tokenizer(texts, vocab_size=vocab_size)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN
+    )
+    if len(tokenizer) > vocab_size:
+        raise ValueError(
+            f"tokenizer has {len(tokenizer)} tokens, more than vocab_size={vocab_size}"
+        )
+    tokenizer.save_pretrained(out)
+    _patch_tokenizer_config(out / "tokenizer_config.json", max_position_embeddings)
+
+    config = Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=False,
+        dtype="float32",
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config).to(torch.float32)
+    model.save_pretrained(out, safe_serialization=True)
+
+    meta = {
+        "task": task,
+        "seed": seed,
+        "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
+        "num_parameters": sum(p.numel() for p in model.parameters()),
+    }
+    (out / "tiny_model.json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+    return out
+
+
+def _patch_tokenizer_config(path: Path, model_max_length: int) -> None:
+    # transformers 5 writes its own "TokenizersBackend" class, which 4.x (e.g. a vLLM pin)
+    # cannot resolve; PreTrainedTokenizerFast loads tokenizer.json verbatim in both.
+    cfg = json.loads(path.read_text())
+    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    cfg["model_max_length"] = model_max_length
+    path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+
+
+def _normalise_merges(merges: list[Any]) -> list[list[str]]:
+    # tokenizers < 0.20 serialises merges as "a b" strings, newer versions as ["a", "b"].
+    return [m.split(" ", 1) if isinstance(m, str) else list(m) for m in merges]
+
+
+def tokenizer_fingerprint(tokenizer_or_path: Any) -> str:
+    """First 16 hex chars of a sha256 over the tokenizer's vocab, merges and special tokens.
+
+    Accepts a ``PreTrainedTokenizerFast`` (or any HF fast tokenizer), a raw
+    ``tokenizers.Tokenizer``, or a directory holding ``tokenizer.json`` (loaded locally only).
+    """
+    tok = tokenizer_or_path
+    if isinstance(tok, (str, Path)):
+        from transformers import PreTrainedTokenizerFast
+
+        p = Path(tok)
+        if not (p / "tokenizer.json").is_file():
+            raise ValueError(f"no tokenizer.json in {p}")
+        tok = PreTrainedTokenizerFast.from_pretrained(str(p), local_files_only=True)
+
+    specials: dict[str, Any] = {}
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is not None:
+        for attr in _SPECIAL_ATTRS:
+            specials[attr] = getattr(tok, attr, None)
+    elif hasattr(tok, "to_str"):
+        backend = tok
+    else:
+        raise ValueError(
+            f"cannot fingerprint {type(tokenizer_or_path).__name__}; pass a fast tokenizer, "
+            "a tokenizers.Tokenizer or a directory with tokenizer.json"
+        )
+
+    spec = json.loads(backend.to_str())
+    model = spec.get("model", {})
+    vocab = model.get("vocab", {})
+    vocab_items = (
+        sorted(vocab.items(), key=lambda kv: (kv[1], kv[0])) if isinstance(vocab, dict) else vocab
+    )
+    added = sorted(
+        ([t["id"], t["content"], bool(t.get("special"))] for t in spec.get("added_tokens", [])),
+        key=lambda t: t[0],
+    )
+    payload = {
+        "model_type": model.get("type"),
+        "vocab": vocab_items,
+        "merges": _normalise_merges(model.get("merges", [])),
+        "added_tokens": added,
+        "special_tokens": specials,
+    }
+    blob = json.dumps(payload, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return hashlib.sha256(blob.encode("utf-8")).hexdigest()[:16]
