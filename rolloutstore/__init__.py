@@ -16,11 +16,17 @@ from .errors import (
     StoreNotFoundError,
     ValidationError,
 )
+from .replay import EmptyBufferError, ReplayConfig, Selection, Selector
 from .store import AppendResult, EvictResult, RolloutStore
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "EmptyBufferError",
+    "ReplayConfig",
+    "ReplayDataset",
+    "Selection",
+    "Selector",
     "IngestError",
     "AppendResult",
     "EvictResult",
@@ -33,3 +39,12 @@ __all__ = [
     "StoreNotFoundError",
     "ValidationError",
 ]
+
+
+def __getattr__(name: str):
+    # The torch loader is imported on first use only.
+    if name == "ReplayDataset":
+        from .replay.loader import ReplayDataset
+
+        return ReplayDataset
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -131,6 +131,26 @@ def cmd_sql(a) -> None:
     write_result(store.sql(a.query, params), a.format, a.out)
 
 
+def cmd_export(a) -> None:
+    from .export import infer_format
+
+    store = _store(a.store)
+    fmt = a.format or infer_format(a.out)
+    columns = a.columns.split(",") if a.columns is not None else None
+    r = store.export(
+        a.out,
+        format=fmt,
+        where=a.where,
+        params=[_param(p) for p in a.param] or None,
+        columns=columns,
+        as_=a.as_,
+        min_reward=a.min_reward,
+        min_margin=a.min_margin,
+        progress=not a.quiet,
+    )
+    print(f"exported {r.rows} rows ({a.as_}, {fmt}) to {r.path}")
+
+
 def print_stats(st: dict) -> None:
     gib = st["bytes_on_disk"]
     print(f"store      {st['uri']} (version {st['version']}, {st['fragments']} fragments)")
@@ -241,6 +261,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="write the result to this file")
     p.add_argument("--version", type=int, default=None, help="query a past store version")
     p.set_defaults(func=cmd_sql)
+
+    p = sub.add_parser(
+        "export", help="stream rollouts, or SFT / DPO data from them, to Parquet, JSONL or HF"
+    )
+    p.add_argument("store")
+    p.add_argument("out", help="output file (a folder for --format hf)")
+    p.add_argument(
+        "--format",
+        choices=["parquet", "jsonl", "jsonl.zst", "hf"],
+        default=None,
+        help="default: from OUT's extension",
+    )
+    p.add_argument(
+        "--where", default=None, help="filter expression over rollouts, e.g. 'reward > ?'"
+    )
+    p.add_argument("--param", action="append", default=[], help="value for the next ? in --where")
+    p.add_argument("--columns", default=None, help="comma-separated output columns (default all)")
+    p.add_argument("--as", dest="as_", choices=["rollouts", "sft", "dpo"], default="rollouts")
+    p.add_argument(
+        "--min-reward",
+        type=float,
+        default=None,
+        help="sft: every completion with reward >= R (default: the best per prompt)",
+    )
+    p.add_argument(
+        "--min-margin",
+        type=float,
+        default=None,
+        help="dpo: least chosen - rejected reward per group (default 0.5)",
+    )
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("stats", help="rows, tokens, bytes/token, versions, rewards, reuse")
     p.add_argument("store")

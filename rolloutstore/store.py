@@ -257,8 +257,10 @@ class RolloutStore:
     def record_usage(
         self, rollout_ids: Sequence[str], learner_step: int, run_id: str = "default"
     ) -> int:
-        """Append one usage row per id (sampling never rewrites rollout rows)."""
-        self._check_writable()
+        """Append one usage row per id (sampling never rewrites rollout rows).
+
+        Allowed on a read-only snapshot too: usage is its own append-only log.
+        """
         n = len(rollout_ids)
         if n == 0:
             return 0
@@ -390,11 +392,34 @@ class RolloutStore:
         """Rows by position (row offsets in this store version), in the order given."""
         return self._rollouts().take(np.asarray(row_ids, dtype=np.int64), columns=columns)
 
+    def take_rows(
+        self, row_addresses: Sequence[int] | np.ndarray, columns: list[str] | None = None
+    ) -> pa.Table:
+        """Rows by Lance row address (``_rowaddr`` of this store version), in the order given."""
+        addr = np.asarray(row_addresses, dtype=np.uint64)
+        if addr.size == 0:
+            return self.schema.empty_table().select(columns or self.schema.names)
+        uniq, inverse = np.unique(addr, return_inverse=True)
+        # Lance reads sorted addresses fastest; restore the caller's order (and repeats) after.
+        table = self._rollouts()._take_rows(uniq.tolist(), columns=columns)
+        return table.take(pa.array(inverse.astype(np.int64)))
+
     def stats(self) -> dict[str, Any]:
         """Size, tokens, compression, policy-version histogram, reward by version, reuse."""
         from .sql import store_stats
 
         return store_stats(self)
+
+    def export(self, out: str | os.PathLike, **options: Any):
+        """Stream rows (``as_="rollouts"|"sft"|"dpo"``) to Parquet, JSONL(.zst) or a HF dataset.
+
+        Options as :func:`rolloutstore.export.export` (``format``, ``where``, ``params``,
+        ``columns``, ``as_``, ``min_reward``, ``min_margin``, ``progress``); returns
+        ``ExportResult(rows, path)``.
+        """
+        from .export import export
+
+        return export(self, out, **options)
 
     def bytes_on_disk(self) -> int | None:
         if not _is_local(self.uri):

@@ -1,0 +1,483 @@
+"""Export a store's rollouts (or SFT / DPO datasets derived from them) to files, streaming.
+
+    from rolloutstore import RolloutStore
+    store = RolloutStore.open("runs/demo/store")
+    store.export("out/rollouts.parquet")                                  # every row, zstd Parquet
+    store.export("out/r.jsonl.zst", format="jsonl.zst", where="reward > ?", params=[0.5])
+    store.export("out/sft.parquet", as_="sft")                            # best completions
+    store.export("out/dpo_hf", format="hf", as_="dpo", min_margin=1.0)    # datasets.load_from_disk
+
+Rows are read as Arrow record batches from the store's locked-down DuckDB
+connection and written batch by batch, so memory stays bounded by one batch
+(``sft``/``dpo`` also sort their output by key inside DuckDB, which spills to
+disk when it must). A file is written under a temporary name and renamed when
+complete: a failed export leaves no partial file.
+
+Shapes (``as_``):
+
+``rollouts``
+    schema-v1 rows (all columns, or ``columns``), in store order. Every format
+    reads back with ``rolloutstore ingest`` losslessly (JSON carries ``created_at``
+    as ISO-8601 with ``+00:00``, lists as JSON arrays, float32 values as the
+    shortest decimal of their exact double value).
+``sft``
+    per ``prompt_id``, the completions with the highest reward (ties all kept);
+    with ``min_reward`` instead every completion with ``reward >= min_reward``.
+    Unscored rows (reward null) are skipped. Sorted by prompt_id, rollout_id.
+``dpo``
+    one pair per ``group_id``: chosen = highest reward, rejected = lowest reward
+    (ties broken by the smallest rollout_id), kept when
+    ``chosen_reward - rejected_reward >= min_margin`` (default 0.5). Groups with
+    fewer than two scored rows give no pair. Sorted by group_id.
+
+``where`` is a filter only, applied to ``rollouts`` before shaping: it runs as
+``... FROM rollouts WHERE (<where>)`` with ``params`` bound to its ``?``
+placeholders, and must be one boolean expression (no ``;``, comments, or
+parentheses that close the wrapper; checked with DuckDB's parser too).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from datetime import date, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, get_args
+
+import duckdb
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from .errors import QueryError, RolloutStoreError
+
+if TYPE_CHECKING:
+    from .store import RolloutStore
+
+ExportFormat = Literal["parquet", "jsonl", "jsonl.zst", "hf"]
+ExportShape = Literal["rollouts", "sft", "dpo"]
+
+FORMATS: tuple[str, ...] = get_args(ExportFormat)
+SHAPES: tuple[str, ...] = get_args(ExportShape)
+DEFAULT_MIN_MARGIN = 0.5
+BATCH_ROWS = 4096
+
+SFT_COLUMNS = (
+    "prompt_text",
+    "completion_text",
+    "prompt_ids",
+    "completion_ids",
+    "reward",
+    "prompt_id",
+    "rollout_id",
+)
+# DPO output column -> (alias, store column): alias "c" is the chosen row, "j" the rejected one.
+DPO_COLUMNS: dict[str, tuple[str, str]] = {
+    "prompt_id": ("c", "prompt_id"),
+    "group_id": ("c", "group_id"),
+    "prompt_ids": ("c", "prompt_ids"),
+    "prompt_text": ("c", "prompt_text"),
+    "chosen_ids": ("c", "completion_ids"),
+    "chosen_text": ("c", "completion_text"),
+    "chosen_reward": ("c", "reward"),
+    "rejected_ids": ("j", "completion_ids"),
+    "rejected_text": ("j", "completion_text"),
+    "rejected_reward": ("j", "reward"),
+}
+
+
+class ExportError(RolloutStoreError, ValueError):
+    """An export was asked for with options that do not fit together, or could not be written."""
+
+
+class MissingDependencyError(RolloutStoreError, ImportError):
+    """An optional package needed by the asked-for format is not installed."""
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    rows: int
+    path: str
+
+
+# -- the filter ------------------------------------------------------------------------------
+def check_where(where: str) -> str:
+    """Return ``where`` stripped if it is a single filter expression; raise QueryError if not.
+
+    Cheap lexical checks first (clear messages), then DuckDB's own parser decides:
+    ``SELECT 1 FROM rollouts WHERE (<where>)`` must parse as exactly one plain
+    SELECT over ``rollouts`` with nothing but a WHERE clause.
+    """
+    text = where.strip()
+    fix = "pass literal values with --param / params and ? placeholders"
+    if not text:
+        raise QueryError("--where is empty; expected a boolean filter such as 'reward > ?'")
+    if ";" in text:
+        raise QueryError(
+            f"--where must be a single filter expression, found ';' in {text!r}; {fix}"
+        )
+    if "--" in text or "/*" in text or "*/" in text:
+        raise QueryError(f"--where must not contain SQL comments ('--', '/*'), found {text!r}")
+    _check_parens(text)
+    _check_ast(text)
+    return text
+
+
+def _check_parens(text: str) -> None:
+    """Parentheses outside string literals must balance and never close the wrapper."""
+    depth, quote = 0, ""
+    for i, ch in enumerate(text):
+        if quote:
+            if ch == quote:
+                quote = ""  # a doubled quote ('') re-opens on the next character
+            continue
+        if ch in "'\"":
+            quote = ch
+        elif ch == "(":
+            depth += 1
+        elif ch == ")":
+            depth -= 1
+            if depth < 0:
+                raise QueryError(
+                    f"--where must be a single filter expression: the ')' at offset {i} of "
+                    f"{text!r} closes a parenthesis it did not open"
+                )
+    if quote:
+        raise QueryError(f"--where has an unterminated {quote} quote: {text!r}")
+    if depth:
+        raise QueryError(f"--where has {depth} unclosed '(' : {text!r}")
+
+
+def _check_ast(text: str) -> None:
+    con = duckdb.connect(
+        config={
+            "enable_external_access": False,
+            "autoinstall_known_extensions": False,
+            "autoload_known_extensions": False,
+        }
+    )
+    try:
+        raw = con.execute(
+            "SELECT json_serialize_sql(?)", [f"SELECT 1 FROM rollouts WHERE ({text})"]
+        ).fetchone()[0]
+    except duckdb.Error as exc:  # pragma: no cover - json_serialize_sql is built in
+        raise QueryError(f"could not parse --where {text!r}: {exc}") from exc
+    finally:
+        con.close()
+    tree = json.loads(raw)
+    if tree.get("error"):
+        raise QueryError(
+            f"--where {text!r} is not valid SQL: {tree.get('error_message', 'parse error')}"
+        )
+    statements = tree.get("statements", [])
+    node = statements[0]["node"] if len(statements) == 1 else {}
+    frm = node.get("from_table") or {}
+    plain = (
+        node.get("type") == "SELECT_NODE"
+        and not node.get("modifiers")
+        and not (node.get("cte_map") or {}).get("map")
+        and len(node.get("select_list", [])) == 1
+        and frm.get("type") == "BASE_TABLE"
+        and frm.get("table_name") == "rollouts"
+        and not frm.get("alias")
+        and frm.get("sample") is None
+        and frm.get("at_clause") is None
+        and not node.get("group_expressions")
+        and not node.get("group_sets")
+        and node.get("having") is None
+        and node.get("qualify") is None
+        and node.get("sample") is None
+        and node.get("where_clause") is not None
+    )
+    if not plain:
+        raise QueryError(
+            f"--where must be one boolean filter expression over rollouts' columns, found "
+            f"{text!r}, which changes the query around it (UNION, ORDER BY, LIMIT, ...)"
+        )
+
+
+# -- queries ---------------------------------------------------------------------------------
+def _quote(name: str) -> str:
+    # Only ever called with names from the store schema or our fixed output columns.
+    return '"' + name.replace('"', '""') + '"'
+
+
+def _check_columns(columns: Sequence[str] | None, allowed: Sequence[str], shape: str) -> list[str]:
+    if columns is None:
+        return list(allowed)
+    cols = [c.strip() for c in columns if c.strip()]
+    if not cols:
+        raise ExportError("--columns is empty; expected a comma-separated list of column names")
+    unknown = [c for c in cols if c not in allowed]
+    if unknown:
+        raise ExportError(
+            f"unknown column(s) {', '.join(map(repr, unknown))} for --as {shape}; "
+            f"expected some of: {', '.join(allowed)}"
+        )
+    if len(set(cols)) != len(cols):
+        raise ExportError(f"--columns names a column twice: {', '.join(cols)}")
+    return cols
+
+
+def _output_schema(store_schema: pa.Schema, shape: ExportShape, cols: list[str]) -> pa.Schema:
+    if shape == "dpo":
+        fields = [
+            store_schema.field(DPO_COLUMNS[c][1]).with_name(c).with_nullable(True) for c in cols
+        ]
+    else:
+        fields = [store_schema.field(c) for c in cols]
+    meta = {k: v for k, v in (store_schema.metadata or {}).items()}
+    meta[b"rolloutstore.export"] = shape.encode()
+    return pa.schema(fields, metadata=meta)
+
+
+def _build_query(
+    shape: ExportShape, cols: list[str], where: str | None, min_reward: float | None
+) -> tuple[str, str]:
+    """(query, count_query); both take the where's params first, then the shape's."""
+    filt = f"WHERE ({where})" if where is not None else ""
+    base = f"SELECT * FROM rollouts {filt}"
+    if shape == "rollouts":
+        select = ", ".join(_quote(c) for c in cols)
+        return (
+            f"SELECT {select} FROM rollouts {filt}",
+            f"SELECT count(*) FROM rollouts {filt}",
+        )
+    if shape == "sft":
+        select = ", ".join("r." + _quote(c) for c in cols)
+        if min_reward is None:
+            body = (
+                f"WITH r AS ({base}), "
+                "best AS (SELECT prompt_id, max(reward) AS top FROM r "
+                "WHERE reward IS NOT NULL GROUP BY prompt_id) "
+                f"SELECT {select} FROM r JOIN best ON r.prompt_id = best.prompt_id "
+                "AND r.reward = best.top"
+            )
+        else:
+            body = f"WITH r AS ({base}) SELECT {select} FROM r WHERE r.reward >= ?"
+        return body + " ORDER BY r.prompt_id, r.rollout_id", f"SELECT count(*) FROM ({body})"
+    select = ", ".join(
+        f"{side}.{_quote(src)} AS {_quote(name)}"
+        for name, (side, src) in DPO_COLUMNS.items()
+        if name in cols
+    )
+    body = (
+        f"WITH r AS ({base}), "
+        "k AS (SELECT group_id, rollout_id, reward, "
+        "row_number() OVER (PARTITION BY group_id ORDER BY reward DESC, rollout_id) AS hi, "
+        "row_number() OVER (PARTITION BY group_id ORDER BY reward ASC, rollout_id) AS lo, "
+        "count(*) OVER (PARTITION BY group_id) AS n "
+        "FROM r WHERE reward IS NOT NULL), "
+        "p AS (SELECT ch.group_id, ch.rollout_id AS chosen, rj.rollout_id AS rejected "
+        "FROM k AS ch JOIN k AS rj ON ch.group_id = rj.group_id "
+        "WHERE ch.hi = 1 AND rj.lo = 1 AND ch.n >= 2 "
+        "AND ch.reward::DOUBLE - rj.reward::DOUBLE >= ?) "
+        f"SELECT {select} FROM p JOIN r AS c ON c.rollout_id = p.chosen "
+        "JOIN r AS j ON j.rollout_id = p.rejected"
+    )
+    return body + " ORDER BY p.group_id", f"SELECT count(*) FROM ({body})"
+
+
+def _check_number(name: str, value: float | None) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ExportError(f"{name} must be a finite number, found {value!r}")
+    return float(value)
+
+
+# -- writers ---------------------------------------------------------------------------------
+def _json_default(v: Any) -> Any:
+    if isinstance(v, datetime):
+        return v.isoformat()  # tz-aware UTC: '...+00:00', parsed back by ingest
+    if isinstance(v, date):
+        return v.isoformat()
+    if isinstance(v, bytes):
+        return v.decode("utf-8", "surrogateescape")
+    raise TypeError(f"cannot encode {type(v).__name__} as JSON")
+
+
+def _write_parquet(batches: Iterator[pa.RecordBatch], schema: pa.Schema, path: str) -> None:
+    with pq.ParquetWriter(path, schema, compression="zstd") as w:
+        for b in batches:
+            w.write_batch(b)
+
+
+def _write_jsonl(
+    batches: Iterator[pa.RecordBatch], schema: pa.Schema, path: str, zst: bool
+) -> None:
+    with open(path, "wb") as raw:
+        if zst:
+            import zstandard
+
+            sink = zstandard.ZstdCompressor(level=6).stream_writer(raw, closefd=False)
+        else:
+            sink = raw
+        try:
+            for b in batches:
+                lines = [
+                    json.dumps(r, default=_json_default, ensure_ascii=False, allow_nan=False)
+                    for r in b.to_pylist()
+                ]
+                if lines:
+                    sink.write(("\n".join(lines) + "\n").encode("utf-8"))
+        finally:
+            if zst:
+                sink.close()
+
+
+def _import_datasets():
+    try:
+        import datasets
+    except ImportError as exc:
+        raise MissingDependencyError(
+            "--format hf needs the Hugging Face `datasets` package, which is not installed; "
+            "install it with `pip install 'rolloutstore[dev]'` or `pip install datasets`"
+        ) from exc
+    return datasets
+
+
+def _write_hf(
+    batches: Iterator[pa.RecordBatch], schema: pa.Schema, path: str, progress: bool
+) -> None:
+    datasets = _import_datasets()
+    work = tempfile.mkdtemp(prefix=".export-", dir=os.path.dirname(path) or ".")
+    try:
+        shard = os.path.join(work, "data.parquet")
+        _write_parquet(batches, schema, shard)
+        was_disabled = datasets.are_progress_bars_disabled()
+        if not progress:
+            datasets.disable_progress_bars()
+        try:
+            ds = datasets.Dataset.from_parquet(shard, cache_dir=os.path.join(work, "cache"))
+            ds.save_to_disk(path)
+            del ds
+        finally:
+            if not progress and not was_disabled:
+                datasets.enable_progress_bars()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+# -- entry point -----------------------------------------------------------------------------
+def export(
+    store: RolloutStore,
+    out: str | os.PathLike,
+    *,
+    format: ExportFormat = "parquet",
+    where: str | None = None,
+    params: Sequence[Any] | None = None,
+    columns: Sequence[str] | None = None,
+    as_: ExportShape = "rollouts",
+    min_reward: float | None = None,
+    min_margin: float | None = None,
+    progress: bool = True,
+) -> ExportResult:
+    """Write ``store``'s rows (shaped by ``as_``) to ``out``; see the module docstring.
+
+    ``format``: ``parquet`` (zstd), ``jsonl``, ``jsonl.zst``, or ``hf`` (a folder
+    that ``datasets.load_from_disk`` opens). ``min_reward`` applies to ``sft`` only,
+    ``min_margin`` (default 0.5) to ``dpo`` only. Returns the rows written and the path.
+    """
+    from tqdm.auto import tqdm
+
+    if format not in FORMATS:
+        raise ExportError(f"unknown format {format!r}; expected one of {', '.join(FORMATS)}")
+    if as_ not in SHAPES:
+        raise ExportError(f"unknown --as {as_!r}; expected one of {', '.join(SHAPES)}")
+    min_reward = _check_number("min_reward", min_reward)
+    min_margin = _check_number("min_margin", min_margin)
+    if min_reward is not None and as_ != "sft":
+        raise ExportError(f"--min-reward applies to --as sft only, found --as {as_}")
+    if min_margin is not None and as_ != "dpo":
+        raise ExportError(f"--min-margin applies to --as dpo only, found --as {as_}")
+    if min_margin is not None and min_margin < 0:
+        raise ExportError(f"--min-margin must be >= 0, found {min_margin}")
+    if as_ == "dpo" and min_margin is None:
+        min_margin = DEFAULT_MIN_MARGIN
+    if where is not None:
+        where = check_where(where)
+    elif params:
+        raise QueryError(f"{len(params)} params given but no --where to bind them to")
+
+    allowed = {"rollouts": store.schema.names, "sft": SFT_COLUMNS, "dpo": list(DPO_COLUMNS)}
+    cols = _check_columns(columns, allowed[as_], as_)
+    schema = _output_schema(store.schema, as_, cols)
+    query, count_query = _build_query(as_, cols, where, min_reward)
+    args = list(params or [])
+    if as_ == "sft" and min_reward is not None:
+        args.append(min_reward)
+    elif as_ == "dpo":
+        args.append(min_margin)
+
+    path = os.fspath(out)
+    if format == "hf" and os.path.isdir(path) and os.listdir(path):
+        raise ExportError(
+            f"{path} exists and is not empty; expected a new folder for --format hf "
+            "(remove it or choose another OUT)"
+        )
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+
+    con = store.connect()
+    try:
+        total = con.sql(count_query, params=args or None).fetchall()[0][0]
+        reader = con.sql(query, params=args or None).to_arrow_reader(BATCH_ROWS)
+    except duckdb.Error as exc:
+        con.close()
+        raise QueryError(f"export query failed: {type(exc).__name__}: {exc}") from exc
+
+    rows = 0
+    bar = tqdm(total=total, unit="rows", desc=f"export {as_}", disable=not progress, leave=False)
+
+    def batches() -> Iterator[pa.RecordBatch]:
+        nonlocal rows
+        for b in reader:
+            if b.num_rows == 0:
+                continue
+            b = pa.Table.from_batches([b]).rename_columns(schema.names).cast(schema)
+            for part in b.to_batches():
+                rows += part.num_rows
+                bar.update(part.num_rows)
+                yield part
+
+    tmp = os.path.join(parent, f".{Path(path).name}.tmp-{os.getpid()}")
+    try:
+        if format == "parquet":
+            _write_parquet(batches(), schema, tmp)
+        elif format == "hf":
+            _write_hf(batches(), schema, tmp, progress)
+        else:
+            _write_jsonl(batches(), schema, tmp, zst=format == "jsonl.zst")
+        if format == "hf" and os.path.isdir(path):
+            os.rmdir(path)  # empty (checked above)
+        os.replace(tmp, path)
+    except duckdb.Error as exc:
+        raise QueryError(f"export query failed: {type(exc).__name__}: {exc}") from exc
+    finally:
+        bar.close()
+        con.close()
+        if os.path.isdir(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+        elif os.path.exists(tmp):
+            os.remove(tmp)
+    return ExportResult(rows, path)
+
+
+def infer_format(path: str) -> ExportFormat:
+    """The format implied by ``path``'s extension (for the CLI when --format is absent)."""
+    p = path.lower()
+    if p.endswith((".jsonl.zst", ".ndjson.zst")):
+        return "jsonl.zst"
+    if p.endswith((".jsonl", ".ndjson")):
+        return "jsonl"
+    if p.endswith((".parquet", ".pq")):
+        return "parquet"
+    raise ExportError(
+        f"cannot tell the format of {path!r} from its extension; expected .parquet, .jsonl or "
+        ".jsonl.zst, or pass --format parquet|jsonl|jsonl.zst|hf"
+    )

@@ -1,0 +1,19 @@
+"""Replay: the buffer as a view of the store, selection in DuckDB, a streaming torch loader.
+
+``ReplayDataset`` is imported lazily so that importing rolloutstore never imports torch.
+"""
+
+from __future__ import annotations
+
+from .config import ReplayConfig
+from .selector import EmptyBufferError, Selection, Selector
+
+__all__ = ["EmptyBufferError", "ReplayConfig", "ReplayDataset", "Selection", "Selector"]
+
+
+def __getattr__(name: str):
+    if name == "ReplayDataset":
+        from .loader import ReplayDataset
+
+        return ReplayDataset
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

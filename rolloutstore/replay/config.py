@@ -1,0 +1,131 @@
+"""``ReplayConfig``: what the replay buffer is (a view of the store) and how batches are drawn."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Priority = Literal["uniform", "advantage"]
+Diversity = Literal["none", "prompt", "embedding"]
+
+PRIORITIES = ("uniform", "advantage")
+DIVERSITIES = ("none", "prompt", "embedding")
+
+
+def _help(text: str, default: Any = dataclasses.MISSING, **kw) -> Any:
+    if isinstance(default, (list, dict, set)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": text}, **kw)
+    return field(default=default, metadata={"help": text}, **kw)
+
+
+@dataclass(frozen=True)
+class ReplayConfig:
+    """The replay buffer as a view of the append-only store, plus the sampling rule.
+
+    Order of operations for one batch: eligible rows (``runs``, ``where``) -> the
+    ``window`` most recent of them by (policy_version, created_at, rollout_id) ->
+    ``max_staleness`` -> ``max_uses`` -> ``drop_zero_variance_groups`` -> sampling
+    (``positive_fraction``, ``priority``, ``diversity``, ``per_prompt_cap``,
+    ``whole_groups``, ``replacement``).
+    """
+
+    window: int | None = _help("FIFO capacity N: only the N most recent eligible rollouts", None)
+    max_staleness: int | None = _help("only rows with policy_version >= learner_version - k", None)
+    max_uses: int | None = _help("reuse cap: rows used this many times are not drawn again", None)
+    replacement: bool = _help("allow the same rollout twice within one batch", False)
+    per_prompt_cap: int | None = _help("at most this many rollouts of one prompt per batch", None)
+    whole_groups: bool = _help("draw complete GRPO groups (batch size rounds to groups)", False)
+    drop_zero_variance_groups: bool = _help(
+        "skip groups whose rewards are all equal (no GRPO signal)", False
+    )
+    positive_fraction: float = _help(
+        "share of each batch drawn from the freshest rollouts with reward > threshold", 0.0
+    )
+    positive_threshold: float = _help("reward above which a rollout counts as positive", 0.0)
+    positive_pool: int = _help("how many freshest positives form the positive pool", 1024)
+    priority: Priority = _help("uniform, or advantage: P ~ |A|^alpha", "uniform")
+    alpha: float = _help("priority exponent for priority=advantage", 1.0)
+    beta: float = _help("importance-weight exponent: w ~ (N P)^-beta, normalised by max", 0.4)
+    priority_eps: float = _help("added to |A| so zero-advantage rows keep some mass", 1e-3)
+    diversity: Diversity = _help(
+        "none; prompt: spread over prompts; embedding: farthest-point cover of a pool", "none"
+    )
+    diversity_pool: int = _help("candidate pool size (x batch size) for embedding diversity", 8)
+    runs: tuple[str, ...] | None = _help("eligible run_ids (None: all runs)", None)
+    where: str | None = _help("extra SQL filter over scalar columns, with ? placeholders", None)
+    where_params: tuple = _help("values for the ? placeholders of where", ())
+    seed: int = _help("sampling seed", 0)
+
+    def __post_init__(self) -> None:
+        for name in ("window", "max_uses", "per_prompt_cap"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v < 1):
+                raise ValueError(f"ReplayConfig.{name} must be a positive int or None, got {v!r}")
+        if self.max_staleness is not None and (
+            not isinstance(self.max_staleness, int) or self.max_staleness < 0
+        ):
+            raise ValueError(f"ReplayConfig.max_staleness must be >= 0, got {self.max_staleness!r}")
+        if not 0.0 <= self.positive_fraction <= 1.0:
+            raise ValueError(
+                f"ReplayConfig.positive_fraction must be in [0, 1], got {self.positive_fraction}"
+            )
+        if self.priority not in PRIORITIES:
+            raise ValueError(
+                f"ReplayConfig.priority must be one of {PRIORITIES}, got {self.priority!r}"
+            )
+        if self.diversity not in DIVERSITIES:
+            raise ValueError(
+                f"ReplayConfig.diversity must be one of {DIVERSITIES}, got {self.diversity!r}"
+            )
+        if self.alpha < 0 or self.beta < 0:
+            raise ValueError(f"ReplayConfig alpha/beta must be >= 0, got {self.alpha}, {self.beta}")
+        if self.positive_pool < 1 or self.diversity_pool < 1:
+            raise ValueError("ReplayConfig.positive_pool and diversity_pool must be >= 1")
+        if self.where is not None:
+            _check_where(self.where)
+        # Normalise sequences so configs compare and hash equal however they were built.
+        if self.runs is not None:
+            object.__setattr__(self, "runs", tuple(self.runs))
+        object.__setattr__(self, "where_params", tuple(self.where_params))
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["runs"] = list(self.runs) if self.runs is not None else None
+        d["where_params"] = list(self.where_params)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ReplayConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown ReplayConfig keys {unknown}; known: {sorted(known)}")
+        d = dict(d)
+        if d.get("runs") is not None:
+            d["runs"] = tuple(d["runs"])
+        if "where_params" in d:
+            d["where_params"] = tuple(d["where_params"])
+        return cls(**d)
+
+
+def _check_where(where: str) -> None:
+    """``where`` is spliced into a WHERE clause: it must stay one parenthesised expression."""
+    depth = 0
+    in_str = False
+    for ch in where:
+        if ch == "'":
+            in_str = not in_str
+        elif not in_str:
+            if ch == "(":
+                depth += 1
+            elif ch == ")":
+                depth -= 1
+                if depth < 0:
+                    break
+    bad = depth != 0 or in_str or ";" in where or "--" in where or "/*" in where
+    if bad:
+        raise ValueError(
+            f"ReplayConfig.where must be a single filter expression (balanced parentheses and "
+            f"quotes, no ';' or comments), got {where!r}; pass values as ? with where_params"
+        )

@@ -1,0 +1,64 @@
+"""Named SQL for replay selection. Each function returns SQL text; values are bound as params.
+
+The candidate table ``cand`` holds the scalar columns of the fragments that can
+hold the window (see ``Selector``); ``uses`` holds per-rollout use counts.
+"""
+
+from __future__ import annotations
+
+from .config import ReplayConfig
+
+# Scalar columns a selection may read or filter on (``where`` may use any of them).
+SCALAR_COLUMNS = [
+    "rollout_id", "run_id", "prompt_id", "group_id", "sample_index", "policy_version",
+    "policy_id", "tokenizer_fingerprint", "finish_reason", "temperature", "top_p", "top_k",
+    "max_tokens", "seed", "logprobs_mode", "generator", "reward", "advantage", "created_at",
+    "num_prompt_tokens", "num_completion_tokens", "task",
+]  # fmt: skip
+
+ORDER = "policy_version DESC, created_at DESC, rollout_id DESC"
+
+
+def window_sql(cfg: ReplayConfig, *, with_uses: bool) -> str:
+    """The buffer: eligible rows, newest first, capped at the window, filtered by use count.
+
+    Params, in order: ``where_params``..., then ``max_uses`` when ``with_uses``.
+    """
+    where = f"WHERE ({cfg.where})" if cfg.where else ""
+    limit = f"LIMIT {int(cfg.window)}" if cfg.window else ""
+    sql = f"WITH win AS (SELECT * FROM cand {where} ORDER BY {ORDER} {limit})"
+    if with_uses:
+        sql += (
+            ", counted AS (SELECT win.*, coalesce(uses.n, 0) AS uses FROM win "
+            "LEFT JOIN uses USING (rollout_id))"
+        )
+        src, filt = "counted", "WHERE uses < ?"
+    else:
+        src, filt = "(SELECT *, 0 AS uses FROM win)", ""
+    if cfg.drop_zero_variance_groups:
+        zero = (
+            f"{'AND' if filt else 'WHERE'} group_id NOT IN (SELECT group_id FROM win "
+            "GROUP BY group_id HAVING count(*) > 1 AND coalesce(stddev_pop(reward), 0) = 0 "
+            "AND count(reward) = count(*))"
+        )
+        filt = f"{filt} {zero}"
+    return f"{sql} SELECT * FROM {src} {filt} ORDER BY {ORDER}"
+
+
+def lance_filter(cfg: ReplayConfig, lower_version: int | None) -> str | None:
+    """Filter pushed into the Lance scan (policy_version bound and runs)."""
+    parts = []
+    if lower_version is not None:
+        parts.append(f"policy_version >= {int(lower_version)}")
+    if cfg.runs is not None:
+        quoted = ", ".join("'" + r.replace("'", "''") + "'" for r in cfg.runs)
+        parts.append(f"run_id IN ({quoted})")
+    return " AND ".join(parts) or None
+
+
+# Uses of each rollout: other runs' rows, plus this run's at earlier steps. A use is a
+# distinct (run, step) so that re-recording a step after a resume does not count twice.
+USES_SQL = (
+    "SELECT rollout_id, count(DISTINCT (run_id, learner_step)) AS n FROM usage "
+    "WHERE run_id <> ? OR learner_step < ? GROUP BY rollout_id"
+)

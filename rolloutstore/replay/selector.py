@@ -1,0 +1,419 @@
+"""``Selector``: draws replay batches from the store with DuckDB SQL and a seeded sampler.
+
+Cost grows with the window, not the store. The selector keeps per-fragment
+bounds of ``policy_version`` (fragments are immutable, so each is read once) and
+scans only the fragments that can hold the window: newest versions first, adding
+fragments until the N-th newest eligible row provably beats every row left
+out. Only scalar columns are read; token columns are never touched here.
+
+Sampling is a pure function of (seed, step, store version, config): the
+candidates come back in a total order and the draw uses
+``numpy.random.default_rng([seed, step])``. For ``max_uses`` the selector counts
+this run's own draws in memory (seeded from the usage log at the step it starts
+or resumes from, counting only earlier steps) plus other runs' logged uses, so a
+resumed run, or a loader worker replaying the selections, sees exactly what the
+uninterrupted run saw.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from ..errors import RolloutStoreError
+from ..sql import connect, run
+from ..store import RolloutStore
+from .config import ReplayConfig
+from .queries import SCALAR_COLUMNS, USES_SQL, lance_filter, window_sql
+
+
+class EmptyBufferError(RolloutStoreError, LookupError):
+    """No rollout is eligible under the replay config."""
+
+
+@dataclass(frozen=True)
+class Selection:
+    """One drawn batch: row addresses in the store version it was drawn from, and per-row data."""
+
+    row_addresses: np.ndarray  # (B,) uint64, Lance row addresses at store_version
+    rollout_ids: list[str]
+    weights: np.ndarray  # (B,) float32 importance weights (1 for uniform sampling)
+    staleness: np.ndarray  # (B,) int64, learner_version - policy_version
+    policy_version: np.ndarray  # (B,) int64
+    prompt_ids: list[str] = field(repr=False)
+    learner_version: int = 0
+    store_version: int = 0
+    step: int = 0
+
+    def __len__(self) -> int:
+        return len(self.rollout_ids)
+
+
+@dataclass
+class _FragStats:
+    rows: int
+    min_pv: int
+    max_pv: int
+
+
+class Selector:
+    """Draw batches from ``store`` under ``config``; see the module docstring."""
+
+    def __init__(
+        self,
+        store: RolloutStore,
+        config: ReplayConfig | None = None,
+        *,
+        run_id: str = "default",
+        record_usage: bool = True,
+    ):
+        self.store = store
+        self.config = config or ReplayConfig()
+        self.run_id = run_id
+        self.record_usage = record_usage
+        self.step = 0
+        self._frag_stats: dict[tuple, _FragStats] = {}
+        self._own_uses: dict[str, int] | None = None
+        self._last_sql: str | None = None
+        self._last_filter: str | None = None
+
+    # -- state -------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "seed": self.config.seed, "run_id": self.run_id}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+        self._own_uses = None  # re-read from the usage log, up to the new step
+
+    def explain(self) -> str:
+        """The SQL the selector runs (and the filter it pushes into the Lance scan)."""
+        sql = window_sql(self.config, with_uses=self.config.max_uses is not None)
+        scan = lance_filter(self.config, self._lower(None)) or "(none)"
+        return (
+            f"-- Lance scan of fragments that can hold the window, columns: "
+            f"{', '.join(SCALAR_COLUMNS)}\n-- pushed-down filter: {scan}\n"
+            f"-- cand = scanned rows; uses = per-rollout use counts ({USES_SQL})\n{sql}"
+        )
+
+    # -- candidates --------------------------------------------------------------------
+    def _lower(self, learner_version: int | None) -> int | None:
+        if self.config.max_staleness is None or learner_version is None:
+            return None
+        return learner_version - self.config.max_staleness
+
+    def _stats(self, frag) -> _FragStats:
+        key = (frag.fragment_id, tuple(f.path for f in frag.data_files()))
+        st = self._frag_stats.get(key)
+        if st is None:
+            pv = frag.to_table(columns=["policy_version"])["policy_version"].to_numpy()
+            st = _FragStats(
+                len(pv), int(pv.min()) if len(pv) else 0, int(pv.max()) if len(pv) else -1
+            )
+            self._frag_stats[key] = st
+        return st
+
+    def candidates(self, learner_version: int) -> pa.Table:
+        """The buffer after window, staleness, use cap and group filters (scalar columns)."""
+        cfg = self.config
+        ds = self.store.dataset()
+        lower = self._lower(learner_version)
+        frags = [(f, self._stats(f)) for f in ds.get_fragments()]
+        frags = [(f, s) for f, s in frags if s.rows and (lower is None or s.max_pv >= lower)]
+        frags.sort(key=lambda fs: (fs[1].max_pv, fs[0].fragment_id), reverse=True)
+        scan_filter = lance_filter(cfg, lower)
+        self._last_filter = scan_filter
+        with_uses = cfg.max_uses is not None
+        sql = window_sql(cfg, with_uses=with_uses)
+        self._last_sql = sql
+        params: list = list(cfg.where_params)
+        if with_uses:
+            params.append(cfg.max_uses)
+
+        chosen = len(frags) if cfg.window is None else 0
+        rows_needed = cfg.window or 0
+        while True:
+            if cfg.window is not None and chosen < len(frags):
+                total = 0
+                for i, (_, s) in enumerate(frags):
+                    total += s.rows
+                    if i + 1 > chosen and total >= rows_needed:
+                        chosen = i + 1
+                        break
+                else:
+                    chosen = len(frags)
+            cand = self._scan(ds, [f for f, _ in frags[:chosen]], scan_filter)
+            win = self._window(cand, learner_version, sql, params)
+            if chosen >= len(frags) or cfg.window is None:
+                return win
+            # Eligible rows among scanned fragments, newest first; is the N-th safe?
+            eligible = self._eligible_count_and_nth(cand, params_where=list(cfg.where_params))
+            n_eligible, nth_pv = eligible
+            next_max = frags[chosen][1].max_pv
+            if n_eligible >= cfg.window and nth_pv > next_max:
+                return win
+            if n_eligible >= cfg.window:
+                # Ties at the boundary version: take every fragment that could hold one.
+                more = sum(1 for _, s in frags[chosen:] if s.max_pv >= nth_pv)
+                chosen += max(more, 1)
+            else:
+                rows_needed = max(rows_needed * 2, 1)
+
+    def _scan(self, ds, fragments, scan_filter) -> pa.Table:
+        cols = SCALAR_COLUMNS + (["embedding"] if self.config.diversity == "embedding" else [])
+        if not fragments:
+            return (
+                ds.schema.empty_table()
+                .select(cols)
+                .append_column("_rowaddr", pa.array([], pa.uint64()))
+            )
+        return ds.scanner(
+            columns=cols, filter=scan_filter, fragments=fragments, with_row_address=True
+        ).to_table()
+
+    def _eligible_count_and_nth(self, cand: pa.Table, params_where: list) -> tuple[int, int]:
+        where = f"WHERE ({self.config.where})" if self.config.where else ""
+        con = connect({"cand": cand})
+        t = run(
+            con,
+            f"SELECT policy_version FROM cand {where} ORDER BY policy_version DESC "
+            f"LIMIT 1 OFFSET {int(self.config.window) - 1}",
+            params_where or None,
+        )
+        n = run(con, f"SELECT count(*) AS n FROM cand {where}", params_where or None)
+        nth = t["policy_version"][0].as_py() if t.num_rows else -(2**62)
+        return int(n["n"][0].as_py()), nth
+
+    def _window(self, cand: pa.Table, learner_version: int, sql: str, params: list) -> pa.Table:
+        tables: dict[str, Any] = {"cand": cand}
+        if self.config.max_uses is not None:
+            tables["uses"] = self._use_counts()
+        return run(connect(tables), sql, params or None)
+
+    def _use_counts(self) -> pa.Table:
+        con = connect({"usage": self.store._usage()})
+        if self._own_uses is None:
+            own = run(
+                con,
+                "SELECT rollout_id, count(DISTINCT learner_step) AS n FROM usage "
+                "WHERE run_id = ? AND learner_step < ? GROUP BY 1",
+                [self.run_id, self.step],
+            )
+            self._own_uses = dict(zip(own["rollout_id"].to_pylist(), own["n"].to_pylist()))
+        others = run(
+            con,
+            "SELECT rollout_id, count(DISTINCT (run_id, learner_step)) AS n FROM usage "
+            "WHERE run_id <> ? GROUP BY 1",
+            [self.run_id],
+        )
+        mine = pa.table(
+            {
+                "rollout_id": pa.array(list(self._own_uses), pa.string()),
+                "n": pa.array(list(self._own_uses.values()), pa.int64()),
+            }
+        )
+        return run(
+            connect({"a": others, "b": mine}),
+            "SELECT rollout_id, sum(n)::BIGINT AS n FROM (SELECT * FROM a UNION ALL "
+            "SELECT * FROM b) GROUP BY 1",
+        )
+
+    # -- sampling ----------------------------------------------------------------------
+    def sample(
+        self,
+        batch_size: int | None,
+        learner_version: int,
+        *,
+        max_tokens: int | None = None,
+        learner_step: int | None = None,
+    ) -> Selection:
+        """Draw one batch for a learner at ``learner_version``; records usage; advances the step.
+
+        ``max_tokens``: fill the batch up to this many (prompt + completion) tokens
+        instead of (or as well as) ``batch_size`` rows; at least one row is returned.
+        """
+        if batch_size is None and max_tokens is None:
+            raise ValueError("sample needs batch_size or max_tokens")
+        if batch_size is not None and batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        step = self.step if learner_step is None else learner_step
+        if step != self.step:
+            self._own_uses = None
+        self.step = step
+        store_version = self.store.version
+        cand = self.candidates(learner_version)
+        if cand.num_rows == 0:
+            raise EmptyBufferError(
+                f"no eligible rollouts for learner_version {learner_version} under {self.config} "
+                f"(store version {store_version}, {self.store.count()} rows); wait for actors "
+                "or relax window/max_staleness/max_uses/where"
+            )
+        rng = np.random.default_rng([self.config.seed, step])
+        want = batch_size if batch_size is not None else cand.num_rows
+        idx, weights = _draw(cand, want, self.config, rng, self._embeddings)
+        if max_tokens is not None:
+            lengths = (
+                cand["num_prompt_tokens"].to_numpy().astype(np.int64)
+                + cand["num_completion_tokens"].to_numpy().astype(np.int64)
+            )[idx]
+            keep = max(1, int(np.searchsorted(np.cumsum(lengths), max_tokens, side="right")))
+            idx, weights = idx[:keep], weights[:keep]
+        pick = cand.take(pa.array(idx, pa.int64()))
+        pv = pick["policy_version"].to_numpy().astype(np.int64)
+        sel = Selection(
+            row_addresses=pick["_rowaddr"].to_numpy().astype(np.uint64),
+            rollout_ids=pick["rollout_id"].to_pylist(),
+            weights=weights.astype(np.float32),
+            staleness=(learner_version - pv).astype(np.int64),
+            policy_version=pv,
+            prompt_ids=pick["prompt_id"].to_pylist(),
+            learner_version=learner_version,
+            store_version=store_version,
+            step=step,
+        )
+        if self._own_uses is not None:
+            for rid in set(sel.rollout_ids):
+                self._own_uses[rid] = self._own_uses.get(rid, 0) + 1
+        if self.record_usage:
+            self.store.record_usage(sel.rollout_ids, learner_step=step, run_id=self.run_id)
+        self.step = step + 1
+        return sel
+
+    def _embeddings(self, cand: pa.Table, idx: np.ndarray) -> np.ndarray:
+        emb = cand["embedding"].take(pa.array(idx, pa.int64()))
+        dim = self.store.embedding_dim
+        out = np.zeros((len(idx), dim), np.float32)
+        valid = ~emb.is_null().to_numpy(zero_copy_only=False)
+        if valid.any():
+            flat = emb.filter(pa.array(valid)).combine_chunks().values.to_numpy()
+            out[valid] = flat.reshape(-1, dim)
+        return out
+
+
+# -- the draw (pure numpy) --------------------------------------------------------------
+def _gumbel_order(logp: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """A random order that is sampling without replacement with probabilities ~ exp(logp)."""
+    keys = logp + rng.gumbel(size=len(logp))
+    return np.argsort(-keys, kind="stable")
+
+
+def _take_in_order(order, n, prompts, cap, taken_prompts) -> list[int]:
+    out = []
+    for i in order:
+        if len(out) >= n:
+            break
+        if cap is not None:
+            p = prompts[i]
+            if taken_prompts.get(p, 0) >= cap:
+                continue
+            taken_prompts[p] = taken_prompts.get(p, 0) + 1
+        out.append(int(i))
+    return out
+
+
+def _draw(cand: pa.Table, batch_size: int, cfg: ReplayConfig, rng, embeddings):
+    n = cand.num_rows
+    prompts = np.asarray(cand["prompt_id"].to_pylist(), dtype=object)
+    reward = cand["reward"].to_numpy(zero_copy_only=False).astype(np.float64)
+    adv = np.nan_to_num(cand["advantage"].to_numpy(zero_copy_only=False).astype(np.float64))
+    if cfg.whole_groups:
+        return _draw_groups(cand, batch_size, cfg, rng, adv)
+
+    logp = np.zeros(n)
+    if cfg.priority == "advantage":
+        logp = cfg.alpha * np.log(np.abs(adv) + cfg.priority_eps)
+    probs = np.exp(logp - logp.max())
+    probs /= probs.sum()
+    weights_all = (n * probs) ** (-cfg.beta) if cfg.priority == "advantage" else np.ones(n)
+    if cfg.priority == "advantage":
+        weights_all = weights_all / weights_all.max()
+
+    taken: dict = {}
+    chosen: list[int] = []
+    k_pos = int(round(cfg.positive_fraction * batch_size))
+    if k_pos:
+        # Candidates are newest first, so the first positives are the freshest.
+        pos = np.flatnonzero(np.nan_to_num(reward, nan=-np.inf) > cfg.positive_threshold)
+        pool = pos[: cfg.positive_pool]
+        if len(pool):
+            order = pool[_gumbel_order(np.zeros(len(pool)), rng)]
+            if cfg.replacement:
+                order = rng.choice(pool, size=k_pos * 4)
+            chosen += _take_in_order(order, k_pos, prompts, cfg.per_prompt_cap, taken)
+    rest = batch_size - len(chosen)
+    remaining = np.setdiff1d(np.arange(n), chosen) if not cfg.replacement else np.arange(n)
+
+    if cfg.diversity == "prompt":
+        order = _prompt_round_robin(remaining, prompts, logp, rng)
+    elif cfg.diversity == "embedding":
+        pool_n = min(len(remaining), cfg.diversity_pool * max(rest, 1))
+        pool = remaining[_gumbel_order(logp[remaining], rng)[:pool_n]]
+        order = pool[_farthest_point(embeddings(cand, pool), rest, rng)]
+    elif cfg.replacement:
+        p = probs[remaining] / probs[remaining].sum()
+        order = rng.choice(remaining, size=rest * 4 + 16, p=p)
+    else:
+        order = remaining[_gumbel_order(logp[remaining], rng)]
+    if cfg.replacement:
+        chosen += _take_in_order(order, rest, prompts, cfg.per_prompt_cap, taken)
+    else:
+        chosen += _take_in_order(order, rest, prompts, cfg.per_prompt_cap, taken)
+    idx = np.asarray(chosen, dtype=np.int64)
+    w = np.ones(len(idx)) if not len(idx) else weights_all[idx]
+    if k_pos:
+        w[: min(k_pos, len(idx))] = 1.0
+    return idx, w
+
+
+def _prompt_round_robin(rows: np.ndarray, prompts, logp, rng) -> np.ndarray:
+    """Rows ordered so that consecutive picks cycle over prompts in random order."""
+    order = rows[_gumbel_order(logp[rows], rng)]
+    rank: dict = {}
+    first_seen: dict = {}
+    key = np.empty(len(order), dtype=np.int64)
+    for j, i in enumerate(order):
+        p = prompts[i]
+        r = rank.get(p, 0)
+        rank[p] = r + 1
+        first_seen.setdefault(p, len(first_seen))
+        key[j] = r * (len(order) + 1) + first_seen[p]
+    return order[np.argsort(key, kind="stable")]
+
+
+def _farthest_point(x: np.ndarray, k: int, rng) -> np.ndarray:
+    """Greedy farthest-point sampling: ``k`` indices of ``x`` (N, D) covering its spread."""
+    n = len(x)
+    if n == 0:
+        return np.zeros(0, np.int64)
+    k = min(k, n)
+    first = int(rng.integers(n))
+    picked = [first]
+    d = np.linalg.norm(x - x[first], axis=1)
+    for _ in range(k - 1):
+        nxt = int(np.argmax(d))
+        picked.append(nxt)
+        d = np.minimum(d, np.linalg.norm(x - x[nxt], axis=1))
+    return np.asarray(picked, np.int64)
+
+
+def _draw_groups(cand: pa.Table, batch_size: int, cfg: ReplayConfig, rng, adv):
+    groups = np.asarray(cand["group_id"].to_pylist(), dtype=object)
+    uniq, first_idx, inverse = np.unique(groups, return_index=True, return_inverse=True)
+    # Keep the candidates' (newest-first) order among groups.
+    by_age = np.argsort(first_idx, kind="stable")
+    sizes = np.bincount(inverse, minlength=len(uniq))
+    logp = np.zeros(len(uniq))
+    if cfg.priority == "advantage":
+        mean_abs = np.bincount(inverse, weights=np.abs(adv), minlength=len(uniq)) / sizes
+        logp = cfg.alpha * np.log(mean_abs + cfg.priority_eps)
+    order = by_age[_gumbel_order(logp[by_age], rng)]
+    picked, rows = [], 0
+    for g in order:
+        if rows >= batch_size:
+            break
+        picked.append(g)
+        rows += sizes[g]
+    idx = np.concatenate([np.flatnonzero(inverse == g) for g in picked]).astype(np.int64)
+    return idx, np.ones(len(idx))
