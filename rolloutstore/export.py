@@ -368,7 +368,7 @@ def export(
     store: RolloutStore,
     out: str | os.PathLike,
     *,
-    format: ExportFormat = "parquet",
+    format: ExportFormat | None = None,
     where: str | None = None,
     params: Sequence[Any] | None = None,
     columns: Sequence[str] | None = None,
@@ -380,13 +380,24 @@ def export(
     """Write ``store``'s rows (shaped by ``as_``) to ``out``; see the module docstring.
 
     ``format``: ``parquet`` (zstd), ``jsonl``, ``jsonl.zst``, or ``hf`` (a folder
-    that ``datasets.load_from_disk`` opens). ``min_reward`` applies to ``sft`` only,
+    that ``datasets.load_from_disk`` opens); by default the one ``out``'s extension
+    names (.parquet, .jsonl, .jsonl.zst), else ``parquet``. A format that contradicts
+    the extension is refused. ``min_reward`` applies to ``sft`` only,
     ``min_margin`` (default 0.5) to ``dpo`` only. Returns the rows written and the path.
     """
     from tqdm.auto import tqdm
 
+    path = os.fspath(out)
+    implied = _implied_format(path)
+    if format is None:
+        format = implied or "parquet"
     if format not in FORMATS:
         raise ExportError(f"unknown format {format!r}; expected one of {', '.join(FORMATS)}")
+    if implied is not None and implied != format:
+        raise ExportError(
+            f"{path!r} names a {implied} file but format is {format!r}; "
+            "make the extension match or drop one of them"
+        )
     if as_ not in SHAPES:
         raise ExportError(f"unknown --as {as_!r}; expected one of {', '.join(SHAPES)}")
     min_reward = _check_number("min_reward", min_reward)
@@ -414,7 +425,6 @@ def export(
     elif as_ == "dpo":
         args.append(min_margin)
 
-    path = os.fspath(out)
     if format == "hf" and os.path.isdir(path) and os.listdir(path):
         raise ExportError(
             f"{path} exists and is not empty; expected a new folder for --format hf "
@@ -468,8 +478,7 @@ def export(
     return ExportResult(rows, path)
 
 
-def infer_format(path: str) -> ExportFormat:
-    """The format implied by ``path``'s extension (for the CLI when --format is absent)."""
+def _implied_format(path: str) -> ExportFormat | None:
     p = path.lower()
     if p.endswith((".jsonl.zst", ".ndjson.zst")):
         return "jsonl.zst"
@@ -477,6 +486,14 @@ def infer_format(path: str) -> ExportFormat:
         return "jsonl"
     if p.endswith((".parquet", ".pq")):
         return "parquet"
+    return None
+
+
+def infer_format(path: str) -> ExportFormat:
+    """The format implied by ``path``'s extension (for the CLI when --format is absent)."""
+    fmt = _implied_format(path)
+    if fmt is not None:
+        return fmt
     raise ExportError(
         f"cannot tell the format of {path!r} from its extension; expected .parquet, .jsonl or "
         ".jsonl.zst, or pass --format parquet|jsonl|jsonl.zst|hf"
