@@ -151,6 +151,38 @@ def cmd_export(a) -> None:
     print(f"exported {r.rows} rows ({a.as_}, {fmt}) to {r.path}")
 
 
+def cmd_sample(a) -> None:
+    from .cliargs import dataclass_from_args
+    from .replay import ReplayConfig, Selector
+
+    cfg = dataclass_from_args(ReplayConfig, a)
+    store = _store(a.store)
+    sel = Selector(store, cfg, run_id=a.run_id, record_usage=a.record_usage)
+    if a.explain:
+        print(sel.explain(a.learner_version))
+        return
+    s = sel.sample(a.batch_size, a.learner_version, max_tokens=a.max_tokens)
+    rows = store.take_rows(
+        s.row_addresses,
+        columns=["rollout_id", "prompt_id", "prompt_text", "reward", "policy_version"],
+    )
+    prompt = [
+        t if t is not None else p
+        for t, p in zip(rows["prompt_text"].to_pylist(), rows["prompt_id"].to_pylist())
+    ]
+    out = pa.table(
+        {
+            "rollout_id": rows["rollout_id"],
+            "prompt": pa.array(prompt, pa.string()),
+            "reward": rows["reward"],
+            "policy_version": rows["policy_version"],
+            "staleness": pa.array(s.staleness),
+            "weight": pa.array(s.weights),
+        }
+    )
+    write_result(out, a.format, a.out)
+
+
 def print_stats(st: dict) -> None:
     gib = st["bytes_on_disk"]
     print(f"store      {st['uri']} (version {st['version']}, {st['fragments']} fragments)")
@@ -293,6 +325,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("sample", help="draw one replay batch and print it (or its SQL)")
+    p.add_argument("store")
+    p.add_argument("--batch-size", type=int, default=None)
+    p.add_argument("--max-tokens", type=int, default=None, help="fill a token budget instead")
+    p.add_argument("--learner-version", type=int, required=True)
+    p.add_argument("--run-id", default="default")
+    p.add_argument("--record-usage", action="store_true", help="log the draw in the usage table")
+    p.add_argument("--explain", action="store_true", help="print the SQL instead of sampling")
+    p.add_argument("--format", choices=["table", "csv", "json", "parquet"], default="table")
+    p.add_argument("--out")
+    from .cliargs import add_dataclass_args
+    from .replay import ReplayConfig
+
+    add_dataclass_args(p, ReplayConfig)
+    p.set_defaults(func=cmd_sample)
 
     p = sub.add_parser("stats", help="rows, tokens, bytes/token, versions, rewards, reuse")
     p.add_argument("store")

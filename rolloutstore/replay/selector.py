@@ -54,9 +54,19 @@ class Selection:
 
 @dataclass
 class _FragStats:
-    rows: int
-    min_pv: int
-    max_pv: int
+    """Live row counts of one fragment by (run_id, policy_version)."""
+
+    runs: np.ndarray  # object
+    pv: np.ndarray  # int64
+    rows: np.ndarray  # int64
+
+    def eligible(self, runs: tuple[str, ...] | None, lower: int | None) -> np.ndarray:
+        keep = np.ones(len(self.pv), bool)
+        if runs is not None:
+            keep &= np.isin(self.runs, list(runs))
+        if lower is not None:
+            keep &= self.pv >= lower
+        return keep
 
 
 class Selector:
@@ -88,12 +98,20 @@ class Selector:
         self.step = int(state["step"])
         self._own_uses = None  # re-read from the usage log, up to the new step
 
-    def explain(self) -> str:
-        """The SQL the selector runs (and the filter it pushes into the Lance scan)."""
+    def explain(self, learner_version: int | None = None) -> str:
+        """The SQL the selector runs, and the filter it pushes into the Lance scan.
+
+        With ``learner_version`` the scan filter is computed for real (it reads the
+        per-fragment version counts); without it, only the staleness-free part is shown.
+        """
         sql = window_sql(self.config, with_uses=self.config.max_uses is not None)
-        scan = lance_filter(self.config, self._lower(None)) or "(none)"
+        if learner_version is not None:
+            self.candidates(learner_version)
+            scan = self._last_filter or "(none)"
+        else:
+            scan = lance_filter(self.config, None) or "(none)"
         return (
-            f"-- Lance scan of fragments that can hold the window, columns: "
+            f"-- Lance scan of the fragments that can hold the window, columns: "
             f"{', '.join(SCALAR_COLUMNS)}\n-- pushed-down filter: {scan}\n"
             f"-- cand = scanned rows; uses = per-rollout use counts ({USES_SQL})\n{sql}"
         )
@@ -105,12 +123,16 @@ class Selector:
         return learner_version - self.config.max_staleness
 
     def _stats(self, frag) -> _FragStats:
-        key = (frag.fragment_id, tuple(f.path for f in frag.data_files()))
+        meta = frag.metadata
+        key = (frag.fragment_id, tuple(f.path for f in frag.data_files()), repr(meta.deletion_file))
         st = self._frag_stats.get(key)
         if st is None:
-            pv = frag.to_table(columns=["policy_version"])["policy_version"].to_numpy()
+            t = frag.to_table(columns=["run_id", "policy_version"])
+            g = t.group_by(["run_id", "policy_version"]).aggregate([("policy_version", "count")])
             st = _FragStats(
-                len(pv), int(pv.min()) if len(pv) else 0, int(pv.max()) if len(pv) else -1
+                np.asarray(g["run_id"].to_pylist(), dtype=object),
+                g["policy_version"].to_numpy().astype(np.int64),
+                g["policy_version_count"].to_numpy().astype(np.int64),
             )
             self._frag_stats[key] = st
         return st
@@ -120,46 +142,62 @@ class Selector:
         cfg = self.config
         ds = self.store.dataset()
         lower = self._lower(learner_version)
-        frags = [(f, self._stats(f)) for f in ds.get_fragments()]
-        frags = [(f, s) for f, s in frags if s.rows and (lower is None or s.max_pv >= lower)]
-        frags.sort(key=lambda fs: (fs[1].max_pv, fs[0].fragment_id), reverse=True)
-        scan_filter = lance_filter(cfg, lower)
-        self._last_filter = scan_filter
+        frags = []
+        for f in ds.get_fragments():
+            st = self._stats(f)
+            keep = st.eligible(cfg.runs, lower)
+            if keep.any():
+                frags.append((f, st.pv[keep], st.rows[keep]))
         with_uses = cfg.max_uses is not None
         sql = window_sql(cfg, with_uses=with_uses)
+        params: list = list(cfg.where_params) + ([cfg.max_uses] if with_uses else [])
         self._last_sql = sql
-        params: list = list(cfg.where_params)
-        if with_uses:
-            params.append(cfg.max_uses)
+        if cfg.window is None or cfg.where is None:
+            # Counts by version are exact for every filter but `where`: the window's
+            # oldest version is known before reading a row, and only it and newer are read.
+            bound = lower
+            if cfg.window is not None and frags:
+                pv = np.concatenate([p for _, p, _ in frags])
+                rows = np.concatenate([r for _, _, r in frags])
+                order = np.argsort(-pv, kind="stable")
+                reach = np.cumsum(rows[order])
+                i = int(np.searchsorted(reach, cfg.window))
+                if i < len(order):
+                    bound = max(int(pv[order][i]), lower if lower is not None else -(2**62))
+            scan = [f for f, p, _ in frags if bound is None or p.max() >= bound]
+            scan_filter = lance_filter(cfg, bound)
+            self._last_filter = scan_filter
+            return self._window(self._scan(ds, scan, scan_filter), sql, params)
+        return self._window(self._scan_for_where(ds, frags, lower), sql, params)
 
-        chosen = len(frags) if cfg.window is None else 0
-        rows_needed = cfg.window or 0
+    def _scan_for_where(self, ds, frags, lower) -> pa.Table:
+        """With a `where` filter eligibility is unknown until rows are read: widen newest-first."""
+        cfg = self.config
+        frags = sorted(frags, key=lambda x: (int(x[1].max()), x[0].fragment_id), reverse=True)
+        scan_filter = lance_filter(cfg, lower)
+        self._last_filter = scan_filter
+        chosen, need = 0, cfg.window
         while True:
-            if cfg.window is not None and chosen < len(frags):
-                total = 0
-                for i, (_, s) in enumerate(frags):
-                    total += s.rows
-                    if i + 1 > chosen and total >= rows_needed:
-                        chosen = i + 1
-                        break
-                else:
-                    chosen = len(frags)
-            cand = self._scan(ds, [f for f, _ in frags[:chosen]], scan_filter)
-            win = self._window(cand, learner_version, sql, params)
-            if chosen >= len(frags) or cfg.window is None:
-                return win
-            # Eligible rows among scanned fragments, newest first; is the N-th safe?
-            eligible = self._eligible_count_and_nth(cand, params_where=list(cfg.where_params))
-            n_eligible, nth_pv = eligible
-            next_max = frags[chosen][1].max_pv
-            if n_eligible >= cfg.window and nth_pv > next_max:
-                return win
-            if n_eligible >= cfg.window:
-                # Ties at the boundary version: take every fragment that could hold one.
-                more = sum(1 for _, s in frags[chosen:] if s.max_pv >= nth_pv)
-                chosen += max(more, 1)
+            total = 0
+            for i, (_, _, r) in enumerate(frags):
+                total += int(r.sum())
+                if i + 1 > chosen and total >= need:
+                    chosen = i + 1
+                    break
             else:
-                rows_needed = max(rows_needed * 2, 1)
+                chosen = len(frags)
+            cand = self._scan(ds, [f for f, _, _ in frags[:chosen]], scan_filter)
+            if chosen >= len(frags):
+                return cand
+            n_eligible, nth_pv = self._eligible_count_and_nth(cand, list(cfg.where_params))
+            if n_eligible >= cfg.window:
+                # Safe once no unread fragment can hold a row at or above the N-th version.
+                more = sum(1 for _, p, _ in frags[chosen:] if p.max() >= nth_pv)
+                if more == 0:
+                    return cand
+                need = total + sum(int(r.sum()) for _, p, r in frags[chosen:] if p.max() >= nth_pv)
+            else:
+                need = max(need * 2, total + 1)
 
     def _scan(self, ds, fragments, scan_filter) -> pa.Table:
         cols = SCALAR_COLUMNS + (["embedding"] if self.config.diversity == "embedding" else [])
@@ -186,7 +224,7 @@ class Selector:
         nth = t["policy_version"][0].as_py() if t.num_rows else -(2**62)
         return int(n["n"][0].as_py()), nth
 
-    def _window(self, cand: pa.Table, learner_version: int, sql: str, params: list) -> pa.Table:
+    def _window(self, cand: pa.Table, sql: str, params: list) -> pa.Table:
         tables: dict[str, Any] = {"cand": cand}
         if self.config.max_uses is not None:
             tables["uses"] = self._use_counts()

@@ -120,3 +120,35 @@ def test_stats_versions_evict_compact(tmp_path, capsys):
     assert len(capsys.readouterr().out.strip().splitlines()) >= 2
     assert RolloutStore.open(s.uri).count() == 12
     assert main(["stats", str(tmp_path / "nope")]) == 2
+
+
+def test_sample_prints_rows_and_sql(tmp_path, capsys):
+    s = RolloutStore.open(tmp_path / "store")
+    for v in range(3):
+        s.append(make_rows(10, seed=v, policy_version=v))
+    argv = [
+        "sample",
+        s.uri,
+        "--batch-size",
+        "4",
+        "--learner-version",
+        "3",
+        "--max-staleness",
+        "1",
+        "--format",
+        "json",
+    ]
+    assert main(argv) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert len(rows) == 4 and all(r["staleness"] <= 1 and r["policy_version"] == 2 for r in rows)
+    assert s.sql("SELECT count(*) AS n FROM usage")["n"][0].as_py() == 0  # inspection only
+    assert main(["sample", s.uri, "--learner-version", "3", "--window", "7", "--explain"]) == 0
+    out = capsys.readouterr().out
+    assert "LIMIT 7" in out and "policy_version >= 2" in out
+    assert (
+        main(
+            ["sample", s.uri, "--batch-size", "2", "--learner-version", "9", "--max-staleness", "0"]
+        )
+        == 2
+    )
+    assert "no eligible rollouts" in capsys.readouterr().err

@@ -20,9 +20,18 @@ from rolloutstore.replay.loader import micro_batches
 def store(tmp_path_factory):
     s = RolloutStore.open(tmp_path_factory.mktemp("ld") / "store", embedding_dim=8)
     for v in range(4):
-        s.append(proxy_batches(96, seed=v, start_index=96 * v, rollouts_per_version=96,
-                               mean_completion_tokens=20, prompt_tokens=(3, 9), embedding_dim=8,
-                               batch_rollouts=96))
+        s.append(
+            proxy_batches(
+                96,
+                seed=v,
+                start_index=96 * v,
+                rollouts_per_version=96,
+                mean_completion_tokens=20,
+                prompt_tokens=(3, 9),
+                embedding_dim=8,
+                batch_rollouts=96,
+            )
+        )
     return s.checkout(s.version)
 
 
@@ -84,8 +93,10 @@ def test_token_budget_and_micro_batches(store):
 def test_ranks_are_disjoint_and_cover_the_selection(store):
     cfg = ReplayConfig(seed=3)
     full = _batches(store, 3, batch_size=12, learner_version=5, config=cfg)
-    shards = [_batches(store, 3, batch_size=12, learner_version=5, config=cfg, rank=r, world_size=3)
-              for r in range(3)]
+    shards = [
+        _batches(store, 3, batch_size=12, learner_version=5, config=cfg, rank=r, world_size=3)
+        for r in range(3)
+    ]
     for step in range(3):
         ids = [set(shards[r][step]["rollout_ids"]) for r in range(3)]
         assert not (ids[0] & ids[1] or ids[1] & ids[2] or ids[0] & ids[2])
@@ -102,14 +113,17 @@ def test_dataloader_workers_give_the_same_stream(store):
 
 
 def test_pickles_as_uri_and_version(store):
-    ds = ReplayDataset(store, ReplayConfig(seed=1), batch_size=3, learner_version=5, steps=2,
-                       record_usage=False)
+    ds = ReplayDataset(
+        store, ReplayConfig(seed=1), batch_size=3, learner_version=5, steps=2, record_usage=False
+    )
     clone = pickle.loads(pickle.dumps(ds))
     assert clone.store.uri == store.uri and clone.store.version == store.version
     assert [b["rollout_ids"] for b in clone] == [b["rollout_ids"] for b in ds]
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(stop=st.integers(0, 6), max_uses=st.sampled_from([None, 2]), pack=st.booleans())
 def test_resume_equals_uninterrupted(tmp_path_factory, store, stop, max_uses, pack):
     # Usage is recorded (max_uses depends on it), so each example gets its own store copy.
@@ -134,8 +148,10 @@ def test_resume_equals_uninterrupted(tmp_path_factory, store, stop, max_uses, pa
     tail = [b["rollout_ids"] for b in resumed]
     assert head + tail == ref
     if max_uses:
-        uses = live.sql("SELECT rollout_id, count(DISTINCT learner_step) AS n FROM usage "
-                        "WHERE run_id = 'a' GROUP BY 1")["n"].to_pylist()
+        uses = live.sql(
+            "SELECT rollout_id, count(DISTINCT learner_step) AS n FROM usage "
+            "WHERE run_id = 'a' GROUP BY 1"
+        )["n"].to_pylist()
         assert max(uses) <= max_uses
 
 
@@ -143,14 +159,23 @@ def test_long_rollouts_stream(tmp_path):
     s = RolloutStore.open(tmp_path / "s", embedding_dim=8)
     n = 131_072
     rng = np.random.default_rng(0)
-    rows = [{"prompt_ids": rng.integers(0, 1000, 64).tolist(),
-             "completion_ids": rng.integers(0, 1000, n).tolist(),
-             "behavior_logprobs": (-rng.random(n)).astype(np.float32).tolist(),
-             "policy_version": 0, "reward": 1.0, "advantage": 0.5} for _ in range(2)]
+    rows = [
+        {
+            "prompt_ids": rng.integers(0, 1000, 64).tolist(),
+            "completion_ids": rng.integers(0, 1000, n).tolist(),
+            "behavior_logprobs": (-rng.random(n)).astype(np.float32).tolist(),
+            "policy_version": 0,
+            "reward": 1.0,
+            "advantage": 0.5,
+        }
+        for _ in range(2)
+    ]
     s.append(rows)
     (mbs,) = _batches(s, 1, batch_size=2, micro_batch_tokens=n, pack=True)
     assert [m["input_ids"].shape[1] for m in mbs] == [n + 64, n + 64]
     assert all(m["loss_mask"].sum() == n for m in mbs)
     got = mbs[0]["behavior_logprobs"][0, 63:].numpy()
     want = np.float32([r for r in rows if True][0]["behavior_logprobs"])
-    assert np.array_equal(got, want) or np.array_equal(got, np.float32(rows[1]["behavior_logprobs"]))
+    assert np.array_equal(got, want) or np.array_equal(
+        got, np.float32(rows[1]["behavior_logprobs"])
+    )

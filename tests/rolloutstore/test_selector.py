@@ -60,16 +60,21 @@ def _all(store):
     window=st.one_of(st.none(), st.integers(1, 300)),
     staleness=st.one_of(st.none(), st.integers(0, 6)),
     runs=st.sampled_from([None, ("r0",), ("r1",)]),
+    where=st.sampled_from([None, "reward > ?"]),
 )
 def test_window_matches_brute_force_even_with_late_appends(
-    tmp_path_factory, order, window, staleness, runs
+    tmp_path_factory, order, window, staleness, runs, where
 ):
     # Versions appended out of order (a slow actor) must not fool fragment pruning.
     store = RolloutStore.open(tmp_path_factory.mktemp("w") / "s", embedding_dim=8)
     _fill(store, order, per_version=40)
-    cfg = ReplayConfig(window=window, max_staleness=staleness, runs=runs)
+    params = (0.5,) if where else ()
+    cfg = ReplayConfig(
+        window=window, max_staleness=staleness, runs=runs, where=where, where_params=params
+    )
     got = Selector(store, cfg, record_usage=False).candidates(learner_version=6)
     rows = [r for r in _all(store) if runs is None or r["run_id"] in runs]
+    rows = [r for r in rows if where is None or r["reward"] > 0.5]
     rows = rows[:window] if window else rows
     if staleness is not None:
         rows = [r for r in rows if r["policy_version"] >= 6 - staleness]
