@@ -23,7 +23,11 @@ sequence's first token from the previous one are masked.
 
     from torch.utils.data import DataLoader
     ds = ReplayDataset(store, ReplayConfig(window=16384), batch_size=64, learner_version=10)
-    for batch in DataLoader(ds, batch_size=None, num_workers=2): ...
+    for batch in DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="spawn"):
+        ...
+
+Workers must be spawned (or forkserver'd), not forked: Lance's I/O runtime is not
+fork-safe, and a forked worker can crash once the parent has read the store.
 """
 
 from __future__ import annotations
@@ -77,47 +81,50 @@ def collate(rows: pa.Table, sel: Selection, idx: np.ndarray, *, pack: bool) -> d
     adv = np.nan_to_num(rows["advantage"].to_numpy(zero_copy_only=False).astype(np.float32))
     n = len(idx)
 
-    # Every token's (sequence, position): prompts first, then completions.
+    # Flat destination of every token: row * width + column, prompts first, then completions.
+    width = int(lengths.sum()) if pack else int(lengths.max())
+    starts = np.zeros(n, np.int64)
+    if pack:
+        np.cumsum(lengths[:-1], out=starts[1:])
+    else:
+        starts = np.arange(n, dtype=np.int64) * width
     p_seq, p_pos = _segment_index(p_len)
     c_seq, c_pos = _segment_index(c_len)
-    c_pos = c_pos + p_len[c_seq]
-    if pack:
-        starts = np.zeros(n, np.int64)
-        np.cumsum(lengths[:-1], out=starts[1:])
-        width, p_row, c_row = int(lengths.sum()), np.zeros_like(p_seq), np.zeros_like(c_seq)
-        p_col, c_col = starts[p_seq] + p_pos, starts[c_seq] + c_pos
-        shape = (1, width)
-    else:
-        width = int(lengths.max())
-        p_row, c_row, p_col, c_col = p_seq, c_seq, p_pos, c_pos
-        shape = (n, width)
-    input_ids = np.zeros(shape, np.int64)
-    input_ids[p_row, p_col] = p_vals
-    input_ids[c_row, c_col] = c_vals
+    p_dst = starts[p_seq] + p_pos
+    c_dst = starts[c_seq] + p_len[c_seq] + c_pos
+    rows_out = 1 if pack else n
+    input_ids = np.zeros(rows_out * width, np.int64)
+    input_ids[p_dst] = p_vals
+    input_ids[c_dst] = c_vals
     # Targets: column t scores token t+1, so a completion token at column c sits at c-1.
-    loss_mask = np.zeros((shape[0], width - 1), np.float32)
-    blp = np.zeros_like(loss_mask)
-    adv_tok = np.zeros_like(loss_mask)
-    loss_mask[c_row, c_col - 1] = 1.0
-    blp[c_row, c_col - 1] = l_vals
-    adv_tok[c_row, c_col - 1] = adv[c_seq]
+    # The (rows, width) grid's flat index c_dst - 1 maps to row r, column c-1 of a
+    # (rows, width - 1) grid at c_dst - 1 - r.
+    t_dst = c_dst - 1 - (0 if pack else c_seq)
+    size = rows_out * (width - 1)
+    loss_mask = np.zeros(size, np.float32)
+    blp = np.zeros(size, np.float32)
+    adv_tok = np.zeros(size, np.float32)
+    loss_mask[t_dst] = 1.0
+    blp[t_dst] = l_vals
+    adv_tok[t_dst] = adv[c_seq]
+    shape, tshape = (rows_out, width), (rows_out, width - 1)
     out: dict[str, Any] = {
-        "input_ids": torch.from_numpy(input_ids),
-        "loss_mask": torch.from_numpy(loss_mask),
-        "behavior_logprobs": torch.from_numpy(blp),
-        "advantages": torch.from_numpy(adv_tok),
+        "input_ids": torch.from_numpy(input_ids.reshape(shape)),
+        "loss_mask": torch.from_numpy(loss_mask.reshape(tshape)),
+        "behavior_logprobs": torch.from_numpy(blp.reshape(tshape)),
+        "advantages": torch.from_numpy(adv_tok.reshape(tshape)),
     }
     if pack:
-        seq_all, pos_all = _segment_index(lengths)
-        out["position_ids"] = torch.from_numpy(pos_all[None, :])
-        out["attention_mask"] = torch.ones(shape, dtype=torch.int64)
+        _, pos_all = _segment_index(lengths)
+        out["position_ids"] = torch.from_numpy(pos_all.reshape(shape))
+        out["attention_mask"] = torch.from_numpy(np.ones(shape, np.int64))
         cu = np.zeros(n + 1, np.int32)
         np.cumsum(lengths, out=cu[1:])
         out["cu_seqlens"] = torch.from_numpy(cu)
     else:
         am = (np.arange(width)[None, :] < lengths[:, None]).astype(np.int64)
         out["attention_mask"] = torch.from_numpy(am)
-        out["position_ids"] = torch.from_numpy(np.arange(width)[None, :].repeat(n, 0) * am)
+        out["position_ids"] = torch.from_numpy(np.arange(width)[None, :] * am)
     rewards = rows["reward"].to_numpy(zero_copy_only=False).astype(np.float32)
     out.update(
         policy_version=torch.from_numpy(sel.policy_version[idx].copy()),
@@ -152,11 +159,61 @@ def micro_batches(lengths: np.ndarray, max_tokens: int) -> list[np.ndarray]:
     return groups
 
 
+class TokenCache:
+    """Decoded token columns of the buffer, read in one sorted pass and reused across steps.
+
+    A row's content never changes at a given row address (fragments are immutable
+    and their ids never reused), so cached rows stay valid across store versions.
+    Random takes from compressed columns decode whole blocks per row; reading the
+    buffer once, sequentially, and taking from memory is several times faster when
+    rollouts are replayed. Buffers over ``max_tokens`` are not cached.
+    """
+
+    def __init__(self, store: RolloutStore, max_tokens: int):
+        self.store = store
+        self.max_tokens = max_tokens
+        self.addr = np.zeros(0, np.uint64)  # aligned with self.table rows
+        self.table: pa.Table | None = None
+        self._order: np.ndarray | None = None  # argsort of addr
+
+    def rows(self, sel: Selection) -> pa.Table:
+        need = sel.row_addresses
+        if sel.buffer_addresses is None or sel.buffer_tokens > self.max_tokens:
+            return self.store.take_rows(need, columns=TOKEN_COLUMNS)
+        pos = self._lookup(need)
+        if pos is None:
+            self._load(sel.buffer_addresses)
+            pos = self._lookup(need)
+            assert pos is not None, "selected rows must lie in the buffer"
+        return self.table.take(pa.array(pos, pa.int64()))
+
+    def _lookup(self, need: np.ndarray) -> np.ndarray | None:
+        if self._order is None:
+            self._order = np.argsort(self.addr, kind="stable")
+        if not len(self.addr):
+            return None
+        at = np.minimum(np.searchsorted(self.addr, need, sorter=self._order), len(self.addr) - 1)
+        pos = self._order[at]
+        return pos if np.array_equal(self.addr[pos], need) else None
+
+    def _load(self, buffer: np.ndarray) -> None:
+        missing = np.setdiff1d(buffer, self.addr)
+        if self.table is not None and len(self.addr) + len(missing) > 2 * len(buffer):
+            # Drop rows that left the buffer before growing further.
+            keep = np.isin(self.addr, buffer)
+            self.table, self.addr = self.table.filter(pa.array(keep)), self.addr[keep]
+        fresh = self.store.take_rows(missing, columns=TOKEN_COLUMNS)
+        self.table = fresh if self.table is None else pa.concat_tables([self.table, fresh])
+        self.addr = np.concatenate([self.addr, missing])
+        self._order = None
+
+
 class ReplayDataset(IterableDataset):
     """Replay batches from ``store`` under ``config``; see the module docstring.
 
     ``learner_version``: an int, or ``callable(step) -> int`` (e.g. reading the
-    learner's current version). ``micro_batch_tokens``: yield each step as a list
+    learner's current version). ``cache_tokens``: keep the buffer's decoded tokens in
+    memory when it holds at most this many (see :class:`TokenCache`). ``micro_batch_tokens``: yield each step as a list
     of micro-batch dicts of at most that many tokens (with the step's totals for
     loss normalisation). ``steps``: stop after this many steps (None: endless).
     """
@@ -177,6 +234,7 @@ class ReplayDataset(IterableDataset):
         run_id: str = "default",
         record_usage: bool = True,
         prefetch: int = 2,
+        cache_tokens: int = 32_000_000,
     ):
         if batch_size is None and max_tokens_per_batch is None:
             raise ValueError("ReplayDataset needs batch_size or max_tokens_per_batch")
@@ -196,6 +254,7 @@ class ReplayDataset(IterableDataset):
         self.run_id = run_id
         self.record_usage = record_usage
         self.prefetch = prefetch
+        self.cache_tokens = cache_tokens
         self.start_step = 0
         self._yielded = 0
 
@@ -223,9 +282,9 @@ class ReplayDataset(IterableDataset):
         lv = self.learner_version
         return int(lv(step)) if callable(lv) else int(lv)
 
-    def _build(self, step: int, sel: Selection):
+    def _build(self, step: int, sel: Selection, cache: TokenCache):
         shard = np.arange(self.rank, len(sel), self.world_size)
-        rows = self.store.take_rows(sel.row_addresses, columns=TOKEN_COLUMNS)
+        rows = cache.rows(sel)
         if self.micro_batch_tokens is None:
             return self._finish(collate(rows, sel, shard, pack=self.pack))
         p = rows["prompt_ids"].combine_chunks()
@@ -257,6 +316,7 @@ class ReplayDataset(IterableDataset):
             record_usage=self.record_usage and self.rank == 0 and wid == 0,
         )
         selector.load_state_dict({"step": self.start_step})
+        cache = TokenCache(self.store, self.cache_tokens)
         step = self.start_step
         while self.steps is None or step < self.steps:
             sel = selector.sample(
@@ -266,7 +326,7 @@ class ReplayDataset(IterableDataset):
                 learner_step=step,
             )
             if (step - self.start_step) % nworkers == wid:
-                yield self._build(step, sel)
+                yield self._build(step, sel, cache)
             step += 1
 
     def __iter__(self) -> Iterator:

@@ -16,33 +16,38 @@ SCALAR_COLUMNS = [
     "num_prompt_tokens", "num_completion_tokens", "task",
 ]  # fmt: skip
 
+# What selection itself reads when no `where` names other columns.
+SELECT_COLUMNS = [
+    "rollout_id", "prompt_id", "group_id", "policy_version", "created_at", "reward",
+    "advantage", "num_prompt_tokens", "num_completion_tokens",
+]  # fmt: skip
+
 ORDER = "policy_version DESC, created_at DESC, rollout_id DESC"
 
 
-def window_sql(cfg: ReplayConfig, *, with_uses: bool) -> str:
-    """The buffer: eligible rows, newest first, capped at the window, filtered by use count.
+def window_sql(cfg: ReplayConfig) -> str:
+    """The buffer: eligible rows, newest first, capped at the window, minus flat groups.
 
-    Params, in order: ``where_params``..., then ``max_uses`` when ``with_uses``.
+    Params: ``where_params``. Depends only on the store version and the staleness
+    bound, so the selector caches its result between draws.
     """
     where = f"WHERE ({cfg.where})" if cfg.where else ""
     limit = f"LIMIT {int(cfg.window)}" if cfg.window else ""
-    sql = f"WITH win AS (SELECT * FROM cand {where} ORDER BY {ORDER} {limit})"
-    if with_uses:
-        sql += (
-            ", counted AS (SELECT win.*, coalesce(uses.n, 0) AS uses FROM win "
-            "LEFT JOIN uses USING (rollout_id))"
-        )
-        src, filt = "counted", "WHERE uses < ?"
-    else:
-        src, filt = "(SELECT *, 0 AS uses FROM win)", ""
+    sql = f"WITH win AS (SELECT * FROM cand {where} ORDER BY {ORDER} {limit}) SELECT * FROM win"
     if cfg.drop_zero_variance_groups:
-        zero = (
-            f"{'AND' if filt else 'WHERE'} group_id NOT IN (SELECT group_id FROM win "
-            "GROUP BY group_id HAVING count(*) > 1 AND coalesce(stddev_pop(reward), 0) = 0 "
+        sql += (
+            " WHERE group_id NOT IN (SELECT group_id FROM win GROUP BY group_id "
+            "HAVING count(*) > 1 AND coalesce(stddev_pop(reward), 0) = 0 "
             "AND count(reward) = count(*))"
         )
-        filt = f"{filt} {zero}"
-    return f"{sql} SELECT * FROM {src} {filt} ORDER BY {ORDER}"
+    return f"{sql} ORDER BY {ORDER}"
+
+
+# The reuse cap on top of the buffer. Params: max_uses.
+USES_FILTER_SQL = (
+    "SELECT buf.* FROM buf LEFT JOIN uses USING (rollout_id) "
+    f"WHERE coalesce(uses.n, 0) < ? ORDER BY {ORDER}"
+)
 
 
 def lance_filter(cfg: ReplayConfig, lower_version: int | None) -> str | None:

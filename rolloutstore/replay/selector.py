@@ -22,12 +22,20 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute  # noqa: F401  (pa.compute)
 
 from ..errors import RolloutStoreError
 from ..sql import connect, run
 from ..store import RolloutStore
 from .config import ReplayConfig
-from .queries import SCALAR_COLUMNS, USES_SQL, lance_filter, window_sql
+from .queries import (
+    SCALAR_COLUMNS,
+    SELECT_COLUMNS,
+    USES_FILTER_SQL,
+    USES_SQL,
+    lance_filter,
+    window_sql,
+)
 
 
 class EmptyBufferError(RolloutStoreError, LookupError):
@@ -47,6 +55,9 @@ class Selection:
     learner_version: int = 0
     store_version: int = 0
     step: int = 0
+    # The buffer this batch was drawn from: lets a loader read (and cache) it in one pass.
+    buffer_addresses: np.ndarray = field(default=None, repr=False)
+    buffer_tokens: int = 0
 
     def __len__(self) -> int:
         return len(self.rollout_ids)
@@ -87,8 +98,28 @@ class Selector:
         self.step = 0
         self._frag_stats: dict[tuple, _FragStats] = {}
         self._own_uses: dict[str, int] | None = None
+        self._con = None
+        self._con_pid = None
+        self._buf_cache: tuple | None = None
         self._last_sql: str | None = None
         self._last_filter: str | None = None
+
+    def _sql(self, tables: dict[str, Any], query: str, params: list | None = None) -> pa.Table:
+        """Run ``query`` on this selector's one DuckDB connection with ``tables`` registered."""
+        import os
+
+        if self._con is None or self._con_pid != os.getpid():
+            # One locked connection per selector (and per process): opening one costs ~20 ms.
+            self._con, self._con_pid = connect({}), os.getpid()
+        for name, table in tables.items():
+            self._con.register(name, table)
+        return run(self._con, query, params or None)
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_con"] = None
+        state["_buf_cache"] = None
+        return state
 
     # -- state -------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -104,7 +135,9 @@ class Selector:
         With ``learner_version`` the scan filter is computed for real (it reads the
         per-fragment version counts); without it, only the staleness-free part is shown.
         """
-        sql = window_sql(self.config, with_uses=self.config.max_uses is not None)
+        sql = window_sql(self.config)
+        if self.config.max_uses is not None:
+            sql += f";\n-- reuse cap (buf = the result above):\n{USES_FILTER_SQL}"
         if learner_version is not None:
             self.candidates(learner_version)
             scan = self._last_filter or "(none)"
@@ -139,18 +172,34 @@ class Selector:
 
     def candidates(self, learner_version: int) -> pa.Table:
         """The buffer after window, staleness, use cap and group filters (scalar columns)."""
-        cfg = self.config
+        buf = self.buffer(learner_version)
+        if self.config.max_uses is None:
+            return buf
+        return self._sql(
+            {"buf": buf, "uses": self._use_counts()}, USES_FILTER_SQL, [self.config.max_uses]
+        )
+
+    def buffer(self, learner_version: int) -> pa.Table:
+        """Window, staleness and group filters; cached per (store version, staleness bound)."""
         ds = self.store.dataset()
         lower = self._lower(learner_version)
+        key = (ds.version, lower)
+        if self._buf_cache is not None and self._buf_cache[0] == key:
+            return self._buf_cache[1]
+        buf = self._buffer(ds, lower)
+        self._buf_cache = (key, buf)
+        return buf
+
+    def _buffer(self, ds, lower: int | None) -> pa.Table:
+        cfg = self.config
         frags = []
         for f in ds.get_fragments():
             st = self._stats(f)
             keep = st.eligible(cfg.runs, lower)
             if keep.any():
                 frags.append((f, st.pv[keep], st.rows[keep]))
-        with_uses = cfg.max_uses is not None
-        sql = window_sql(cfg, with_uses=with_uses)
-        params: list = list(cfg.where_params) + ([cfg.max_uses] if with_uses else [])
+        sql = window_sql(cfg)
+        params: list = list(cfg.where_params)
         self._last_sql = sql
         if cfg.window is None or cfg.where is None:
             # Counts by version are exact for every filter but `where`: the window's
@@ -200,7 +249,9 @@ class Selector:
                 need = max(need * 2, total + 1)
 
     def _scan(self, ds, fragments, scan_filter) -> pa.Table:
-        cols = SCALAR_COLUMNS + (["embedding"] if self.config.diversity == "embedding" else [])
+        # A `where` may name any scalar column; otherwise read only what selection uses.
+        cols = SCALAR_COLUMNS if self.config.where else SELECT_COLUMNS
+        cols = cols + (["embedding"] if self.config.diversity == "embedding" else [])
         if not fragments:
             return (
                 ds.schema.empty_table()
@@ -213,35 +264,31 @@ class Selector:
 
     def _eligible_count_and_nth(self, cand: pa.Table, params_where: list) -> tuple[int, int]:
         where = f"WHERE ({self.config.where})" if self.config.where else ""
-        con = connect({"cand": cand})
-        t = run(
-            con,
+        t = self._sql(
+            {"cand": cand},
             f"SELECT policy_version FROM cand {where} ORDER BY policy_version DESC "
             f"LIMIT 1 OFFSET {int(self.config.window) - 1}",
-            params_where or None,
+            params_where,
         )
-        n = run(con, f"SELECT count(*) AS n FROM cand {where}", params_where or None)
+        n = self._sql({}, f"SELECT count(*) AS n FROM cand {where}", params_where)
         nth = t["policy_version"][0].as_py() if t.num_rows else -(2**62)
         return int(n["n"][0].as_py()), nth
 
     def _window(self, cand: pa.Table, sql: str, params: list) -> pa.Table:
-        tables: dict[str, Any] = {"cand": cand}
-        if self.config.max_uses is not None:
-            tables["uses"] = self._use_counts()
-        return run(connect(tables), sql, params or None)
+        return self._sql({"cand": cand}, sql, params)
 
     def _use_counts(self) -> pa.Table:
-        con = connect({"usage": self.store._usage()})
+        usage = {"usage": self.store._usage()}
         if self._own_uses is None:
-            own = run(
-                con,
+            own = self._sql(
+                usage,
                 "SELECT rollout_id, count(DISTINCT learner_step) AS n FROM usage "
                 "WHERE run_id = ? AND learner_step < ? GROUP BY 1",
                 [self.run_id, self.step],
             )
             self._own_uses = dict(zip(own["rollout_id"].to_pylist(), own["n"].to_pylist()))
-        others = run(
-            con,
+        others = self._sql(
+            usage,
             "SELECT rollout_id, count(DISTINCT (run_id, learner_step)) AS n FROM usage "
             "WHERE run_id <> ? GROUP BY 1",
             [self.run_id],
@@ -252,8 +299,8 @@ class Selector:
                 "n": pa.array(list(self._own_uses.values()), pa.int64()),
             }
         )
-        return run(
-            connect({"a": others, "b": mine}),
+        return self._sql(
+            {"a": others, "b": mine},
             "SELECT rollout_id, sum(n)::BIGINT AS n FROM (SELECT * FROM a UNION ALL "
             "SELECT * FROM b) GROUP BY 1",
         )
@@ -310,6 +357,9 @@ class Selector:
             learner_version=learner_version,
             store_version=store_version,
             step=step,
+            buffer_addresses=cand["_rowaddr"].to_numpy().astype(np.uint64),
+            buffer_tokens=int(pa.compute.sum(cand["num_prompt_tokens"]).as_py() or 0)
+            + int(pa.compute.sum(cand["num_completion_tokens"]).as_py() or 0),
         )
         if self._own_uses is not None:
             for rid in set(sel.rollout_ids):
@@ -338,6 +388,8 @@ def _gumbel_order(logp: np.ndarray, rng: np.random.Generator) -> np.ndarray:
 
 
 def _take_in_order(order, n, prompts, cap, taken_prompts) -> list[int]:
+    if cap is None:
+        return [int(i) for i in order[:n]]
     out = []
     for i in order:
         if len(out) >= n:
@@ -353,7 +405,7 @@ def _take_in_order(order, n, prompts, cap, taken_prompts) -> list[int]:
 
 def _draw(cand: pa.Table, batch_size: int, cfg: ReplayConfig, rng, embeddings):
     n = cand.num_rows
-    prompts = np.asarray(cand["prompt_id"].to_pylist(), dtype=object)
+    prompts = _codes(cand["prompt_id"])
     reward = cand["reward"].to_numpy(zero_copy_only=False).astype(np.float64)
     adv = np.nan_to_num(cand["advantage"].to_numpy(zero_copy_only=False).astype(np.float64))
     if cfg.whole_groups:
@@ -405,19 +457,27 @@ def _draw(cand: pa.Table, batch_size: int, cfg: ReplayConfig, rng, embeddings):
     return idx, w
 
 
-def _prompt_round_robin(rows: np.ndarray, prompts, logp, rng) -> np.ndarray:
+def _codes(col: pa.ChunkedArray) -> np.ndarray:
+    """Integer codes of a string column (equal strings, equal codes)."""
+    enc = col.combine_chunks().dictionary_encode()
+    return enc.indices.to_numpy(zero_copy_only=False).astype(np.int64)
+
+
+def _prompt_round_robin(rows: np.ndarray, prompts: np.ndarray, logp, rng) -> np.ndarray:
     """Rows ordered so that consecutive picks cycle over prompts in random order."""
     order = rows[_gumbel_order(logp[rows], rng)]
-    rank: dict = {}
-    first_seen: dict = {}
-    key = np.empty(len(order), dtype=np.int64)
-    for j, i in enumerate(order):
-        p = prompts[i]
-        r = rank.get(p, 0)
-        rank[p] = r + 1
-        first_seen.setdefault(p, len(first_seen))
-        key[j] = r * (len(order) + 1) + first_seen[p]
-    return order[np.argsort(key, kind="stable")]
+    codes = prompts[order]
+    n = len(order)
+    # Occurrence rank of each row within its prompt, and each prompt's first position.
+    by_code = np.argsort(codes, kind="stable")
+    sorted_codes = codes[by_code]
+    starts = np.r_[0, np.flatnonzero(np.diff(sorted_codes)) + 1]
+    group_start = np.repeat(starts, np.diff(np.r_[starts, n]))
+    rank = np.empty(n, np.int64)
+    rank[by_code] = np.arange(n) - group_start
+    first = np.empty(n, np.int64)
+    first[by_code] = by_code[group_start]
+    return order[np.argsort(rank * (n + 1) + first, kind="stable")]
 
 
 def _farthest_point(x: np.ndarray, k: int, rng) -> np.ndarray:
@@ -437,7 +497,7 @@ def _farthest_point(x: np.ndarray, k: int, rng) -> np.ndarray:
 
 
 def _draw_groups(cand: pa.Table, batch_size: int, cfg: ReplayConfig, rng, adv):
-    groups = np.asarray(cand["group_id"].to_pylist(), dtype=object)
+    groups = _codes(cand["group_id"])
     uniq, first_idx, inverse = np.unique(groups, return_index=True, return_inverse=True)
     # Keep the candidates' (newest-first) order among groups.
     by_age = np.argsort(first_idx, kind="stable")

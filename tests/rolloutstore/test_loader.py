@@ -107,7 +107,9 @@ def test_dataloader_workers_give_the_same_stream(store):
     cfg = ReplayConfig(seed=9)
     ref = _batches(store, 5, batch_size=4, learner_version=5, config=cfg)
     ds = ReplayDataset(store, cfg, batch_size=4, learner_version=5, steps=5, record_usage=False)
-    got = list(DataLoader(ds, batch_size=None, num_workers=2))
+    # Lance is not fork-safe: workers are spawned (as the loader's docstring says).
+    loader = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="spawn")
+    got = list(loader)
     assert [b["rollout_ids"] for b in got] == [b["rollout_ids"] for b in ref]
     assert all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(got, ref))
 

@@ -38,7 +38,7 @@ def vllm_gen(tiny):
     pytest.importorskip("vllm")
     from trainer.vllm_generate import VLLMGenerator
 
-    with VLLMGenerator(tiny, policy_version=3, policy_id="p", seed=0) as gen:
+    with VLLMGenerator(tiny, policy_version=3, policy_id="p", seed=0, enforce_eager=True) as gen:
         yield gen
 
 
@@ -128,8 +128,10 @@ def test_batches_use_distinct_seeds(tmp_path, tiny) -> None:
 
 def test_vllm_pipeline_lands_in_store(tmp_path, vllm_gen) -> None:
     store = RolloutStore.open(tmp_path / "store", embedding_dim=48)
-    summary = _run(store, vllm_gen, "vllm", batch_prompts=5)
-    # A prebuilt generator records its own policy version.
+    with pytest.raises(ValueError, match="policy_version"):
+        _run(store, vllm_gen, "vllm", policy_version=2)
+    assert store.count() == 0
+    summary = _run(store, vllm_gen, "vllm", batch_prompts=5, policy_version=3)
     _check_store(store, summary, policy_version=3)
     gens = store.sql("SELECT DISTINCT generator, logprobs_mode FROM rollouts").to_pylist()
     assert len(gens) == 1 and gens[0]["generator"].startswith("vllm/")
