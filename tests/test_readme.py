@@ -27,21 +27,28 @@ def test_cli_tour_runs_as_written(tmp_path):
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     commands = [c for c in _block("<!-- tour", "bash").splitlines() if c.strip()]
     assert len(commands) >= 10
-    outputs = []
+    out = {}
     for cmd in commands:
         p = subprocess.run(cmd, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True)
         assert p.returncode == 0, f"{cmd}\n{p.stdout}\n{p.stderr}"
-        outputs.append(p.stdout)
-    assert "rollouts   2,000 in" in outputs[3]  # stats after the ingest
-    assert '{"n": 2000}' in outputs[7]
-    assert "evicted 1000 rollouts, 1000 left" in outputs[9]
+        out.setdefault(" ".join(cmd.split()[:2]), []).append(p.stdout)
+    assert "rollouts   2,000 in" in out["rolloutstore stats"][0]  # stats after the ingest
+    assert '{"n": 2000}' in out["rolloutstore sql"][-1]  # the query of version 2
+    assert "(8 rows)" in out["rolloutstore sample"][0]
+    assert "ORDER BY policy_version DESC" in out["rolloutstore sample"][1]
+    assert "exported 2000 rows" in out["rolloutstore export"][0]
+    assert "ingested 2000 rollouts" in out["rolloutstore ingest"][1]
+    assert "evicted 1000 rollouts, 1000 left" in out["rolloutstore evict"][0]
     assert (tmp_path / "runs/tour/positive.parquet").stat().st_size > 0
 
 
-def test_python_example_runs(tmp_path, monkeypatch):
+def test_python_examples_run(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    code = _block("## Python", "python")
-    exec(compile(code, "README.md", "exec"), {})
+    exec(compile(_block("## Python", "python"), "README.md", "exec"), {})
     from rolloutstore import RolloutStore
 
     assert RolloutStore.open(tmp_path / "runs/demo/store").count() == 1
+    exec(compile(_block("## Replay", "python"), "README.md", "exec"), {})
+    assert RolloutStore.open(tmp_path / "runs/demo/store").sql(
+        "SELECT count(*) AS n FROM usage"
+    )["n"][0].as_py() >= 1
