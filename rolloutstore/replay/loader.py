@@ -68,8 +68,7 @@ def _segment_index(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def collate(rows: pa.Table, sel: Selection, idx: np.ndarray, *, pack: bool) -> dict[str, Any]:
-    """Tensors for rows ``idx`` of ``sel`` (``rows`` aligned with the selection)."""
-    rows = rows.take(pa.array(idx, pa.int64()))
+    """Tensors for rows ``idx`` of ``sel``; ``rows`` holds exactly those rows, in that order."""
     p_vals, p_off = _flat(rows["prompt_ids"])
     c_vals, c_off = _flat(rows["completion_ids"])
     l_vals, _ = _flat(rows["behavior_logprobs"])
@@ -176,8 +175,9 @@ class TokenCache:
         self.table: pa.Table | None = None
         self._order: np.ndarray | None = None  # argsort of addr
 
-    def rows(self, sel: Selection) -> pa.Table:
-        need = sel.row_addresses
+    def rows(self, sel: Selection, idx: np.ndarray | None = None) -> pa.Table:
+        """Token columns of selection rows ``idx`` (all rows when None), in that order."""
+        need = sel.row_addresses if idx is None else sel.row_addresses[idx]
         if sel.buffer_addresses is None or sel.buffer_tokens > self.max_tokens:
             return self.store.take_rows(need, columns=TOKEN_COLUMNS)
         pos = self._lookup(need)
@@ -284,14 +284,17 @@ class ReplayDataset(IterableDataset):
 
     def _build(self, step: int, sel: Selection, cache: TokenCache):
         shard = np.arange(self.rank, len(sel), self.world_size)
-        rows = cache.rows(sel)
+        rows = cache.rows(sel, shard)
         if self.micro_batch_tokens is None:
             return self._finish(collate(rows, sel, shard, pack=self.pack))
         p = rows["prompt_ids"].combine_chunks()
         c = rows["completion_ids"].combine_chunks()
-        lengths = (np.diff(p.offsets.to_numpy()) + np.diff(c.offsets.to_numpy()))[shard]
+        lengths = np.diff(p.offsets.to_numpy()) + np.diff(c.offsets.to_numpy())
         parts = micro_batches(lengths, self.micro_batch_tokens)
-        mbs = [self._finish(collate(rows, sel, shard[g], pack=self.pack)) for g in parts]
+        mbs = [
+            self._finish(collate(rows.take(pa.array(g)), sel, shard[g], pack=self.pack))
+            for g in parts
+        ]
         total = sum(mb["num_loss_tokens"] for mb in mbs)
         for mb in mbs:
             mb["step_loss_tokens"] = total

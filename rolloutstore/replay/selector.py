@@ -101,6 +101,8 @@ class Selector:
         self._con = None
         self._con_pid = None
         self._buf_cache: tuple | None = None
+        self._usage_seen: set[int] = set()
+        self._others: dict[str, set] = {}
         self._last_sql: str | None = None
         self._last_filter: str | None = None
 
@@ -176,7 +178,7 @@ class Selector:
         if self.config.max_uses is None:
             return buf
         return self._sql(
-            {"buf": buf, "uses": self._use_counts()}, USES_FILTER_SQL, [self.config.max_uses]
+            {"buf": buf, "uses": self._use_counts(buf)}, USES_FILTER_SQL, [self.config.max_uses]
         )
 
     def buffer(self, learner_version: int) -> pa.Table:
@@ -277,33 +279,46 @@ class Selector:
     def _window(self, cand: pa.Table, sql: str, params: list) -> pa.Table:
         return self._sql({"cand": cand}, sql, params)
 
-    def _use_counts(self) -> pa.Table:
-        usage = {"usage": self.store._usage()}
+    def _use_counts(self, buf: pa.Table) -> pa.Table:
+        """Use counts of the buffer's rollouts: this run's (in memory) plus other runs'."""
+        usage = self.store._usage()
         if self._own_uses is None:
             own = self._sql(
-                usage,
+                {"usage": usage},
                 "SELECT rollout_id, count(DISTINCT learner_step) AS n FROM usage "
                 "WHERE run_id = ? AND learner_step < ? GROUP BY 1",
                 [self.run_id, self.step],
             )
             self._own_uses = dict(zip(own["rollout_id"].to_pylist(), own["n"].to_pylist()))
-        others = self._sql(
-            usage,
-            "SELECT rollout_id, count(DISTINCT (run_id, learner_step)) AS n FROM usage "
-            "WHERE run_id <> ? GROUP BY 1",
-            [self.run_id],
-        )
-        mine = pa.table(
-            {
-                "rollout_id": pa.array(list(self._own_uses), pa.string()),
-                "n": pa.array(list(self._own_uses.values()), pa.int64()),
-            }
-        )
-        return self._sql(
-            {"a": others, "b": mine},
-            "SELECT rollout_id, sum(n)::BIGINT AS n FROM (SELECT * FROM a UNION ALL "
-            "SELECT * FROM b) GROUP BY 1",
-        )
+        others = self._other_uses(usage)
+        ids = buf["rollout_id"].to_pylist()
+        counts = [self._own_uses.get(r, 0) + len(others.get(r, ())) for r in ids]
+        return pa.table({"rollout_id": pa.array(ids, pa.string()), "n": pa.array(counts, pa.int64())})
+
+    def _other_uses(self, usage) -> dict[str, set]:
+        """Other runs' distinct (run, step) uses per rollout, read incrementally.
+
+        The usage log only grows by new fragments, so each is read once; if a
+        compaction replaced fragments, the counts are rebuilt from scratch.
+        """
+        frags = usage.get_fragments()
+        ids = {f.fragment_id for f in frags}
+        if not self._usage_seen <= ids:
+            self._usage_seen, self._others = set(), {}
+        new = [f for f in frags if f.fragment_id not in self._usage_seen]
+        if new:
+            own = self.run_id.replace("'", "''")
+            t = usage.scanner(
+                columns=["rollout_id", "run_id", "learner_step"],
+                fragments=new,
+                filter=f"run_id <> '{own}'",
+            ).to_table()
+            for rid, run_id, step in zip(
+                t["rollout_id"].to_pylist(), t["run_id"].to_pylist(), t["learner_step"].to_pylist()
+            ):
+                self._others.setdefault(rid, set()).add((run_id, step))
+            self._usage_seen |= {f.fragment_id for f in new}
+        return self._others
 
     # -- sampling ----------------------------------------------------------------------
     def sample(

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import require_vllm
 
 from rolloutstore import RolloutStore
 from trainer.generate import (
@@ -35,7 +36,7 @@ def tiny(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def vllm_gen(tiny):
-    pytest.importorskip("vllm")
+    require_vllm()
     from trainer.vllm_generate import VLLMGenerator
 
     with VLLMGenerator(tiny, policy_version=3, policy_id="p", seed=0, enforce_eager=True) as gen:

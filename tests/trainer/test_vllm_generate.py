@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import require_vllm
 
 from trainer.hf_generate import HFGenerator, teacher_forced_logprobs
 from trainer.tiny import make_tiny_model, tokenizer_fingerprint
@@ -36,7 +37,7 @@ def hf(tiny: Path) -> HFGenerator:
 
 @pytest.fixture(scope="module")
 def gen(tiny: Path):
-    pytest.importorskip("vllm")
+    require_vllm()
     # enforce_eager skips torch.compile: a faster start, same numerics for this check.
     with VLLMGenerator(tiny, policy_version=7, policy_id="run-a", seed=0, enforce_eager=True) as g:
         yield g

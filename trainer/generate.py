@@ -1,0 +1,393 @@
+"""The generate pipeline: task prompts -> sampled groups -> rewards, advantages, embeddings -> store.
+
+:func:`generate_rollouts` draws ``prompts`` prompts from a task, samples ``group_size``
+completions per prompt with the vLLM or transformers backend, scores each completion with the
+task's verifiable reward, computes GRPO group advantages, embeds the completion token ids with
+:class:`trainer.embed.HashingEmbedder` (``dim = store.embedding_dim``) and appends every batch of
+prompts to the store as one atomic commit (a batch is either fully in the store or not at all).
+
+Python::
+
+    from rolloutstore import RolloutStore
+    from trainer.generate import generate_rollouts
+
+    store = RolloutStore.open("runs/x/store")
+    summary = generate_rollouts(store, model="runs/x/tiny-model", task="arith", prompts=256,
+                                group_size=8, policy_version=0, backend="hf")
+    print(summary.rollouts, summary.mean_reward, summary.tokens_per_s)
+
+CLI (wired into ``rolloutstore`` through :func:`add_generate_parser`)::
+
+    rolloutstore generate STORE --model DIR|tiny --task arith --prompts 256 --group-size 8 \\
+        --policy-version 0 --backend vllm|hf [--temperature T --top-p P --top-k K \\
+        --max-tokens N --seed S --run-id ID]
+
+``--model tiny`` builds (once) a tiny random model for the task into ``STORE/../tiny-model``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from trainer.advantage import group_advantages
+from trainer.embed import HashingEmbedder
+from trainer.tasks import Prompt, Task, get_task
+
+BACKENDS = ("vllm", "hf")
+TINY_MODEL = "tiny"
+
+
+class Generator(Protocol):
+    """What :func:`generate_rollouts` needs from a backend (HFGenerator, VLLMGenerator)."""
+
+    def generate(
+        self,
+        prompts: list[str],
+        *,
+        group_size: int,
+        temperature: float = ...,
+        top_p: float = ...,
+        top_k: int = ...,
+        max_tokens: int = ...,
+        seed: int = ...,
+    ) -> list[dict[str, Any]]: ...
+
+
+@dataclass(frozen=True)
+class GenerateSummary:
+    """What one :func:`generate_rollouts` call wrote.
+
+    ``tokens`` counts completion tokens; ``tokens_per_s`` is ``tokens / seconds`` with
+    ``seconds`` the wall time of generation, scoring, embedding and appends (not building or
+    stopping the backend). ``store_version`` is the store's version after the last append.
+    """
+
+    rollouts: int
+    tokens: int
+    mean_reward: float
+    tokens_per_s: float
+    seconds: float
+    store_version: int
+
+    def line(self) -> str:
+        """One human-readable closing line."""
+        return (
+            f"generated {self.rollouts} rollouts, {self.tokens} tokens, "
+            f"mean reward {self.mean_reward:.4f}, {self.tokens_per_s:.1f} tokens/s "
+            f"({self.seconds:.1f} s, store version {self.store_version})"
+        )
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """Validated sampling settings shared by both backends (``top_k=0`` disables top-k)."""
+
+    group_size: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int = 64
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if _not_int(self.group_size) or self.group_size < 1:
+            raise ValueError(f"group_size must be an int >= 1, got {self.group_size!r}")
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if _not_int(self.top_k) or self.top_k < 0:
+            raise ValueError(f"top_k must be an int >= 0 (0 disables it), got {self.top_k!r}")
+        if _not_int(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if _not_int(self.seed) or self.seed < 0:
+            raise ValueError(f"seed must be an int >= 0, got {self.seed!r}")
+
+
+def _not_int(v: object) -> bool:
+    return isinstance(v, bool) or not isinstance(v, int)
+
+
+def make_generator(
+    model: str | Path,
+    backend: str,
+    *,
+    policy_version: int,
+    policy_id: str | None = None,
+    seed: int = 0,
+) -> Any:
+    """Build the ``backend`` generator ("vllm" or "hf") for the checkpoint folder ``model``."""
+    if backend == "hf":
+        from trainer.hf_generate import HFGenerator
+
+        return HFGenerator(model, policy_version=policy_version, policy_id=policy_id)
+    if backend == "vllm":
+        from trainer.vllm_generate import VLLMGenerator
+
+        return VLLMGenerator(model, policy_version=policy_version, policy_id=policy_id, seed=seed)
+    raise ValueError(f"unknown backend {backend!r}; choose one of {list(BACKENDS)}")
+
+
+def score_rows(task: Task, prompts: Sequence[Prompt], rows: list[dict[str, Any]]) -> None:
+    """Set ``reward`` and ``reward_info`` (JSON) on prompt-major ``rows`` in place.
+
+    ``rows`` holds ``len(rows) // len(prompts)`` completions per prompt, in prompt order; each
+    row's ``prompt_text`` must be its prompt's (a mismatch means the backend reordered rows).
+    """
+    if not prompts or len(rows) % len(prompts):
+        raise ValueError(f"{len(rows)} rows do not split into groups over {len(prompts)} prompts")
+    per = len(rows) // len(prompts)
+    for k, row in enumerate(rows):
+        prompt = prompts[k // per]
+        if row.get("prompt_text") != prompt.prompt_text:
+            raise ValueError(
+                f"row {k} has prompt_text {row.get('prompt_text')!r}, expected "
+                f"{prompt.prompt_text!r}: rows must be prompt-major"
+            )
+        result = task.reward(prompt, row["completion_text"] or "")
+        row["reward"] = float(result.reward)
+        row["reward_info"] = json.dumps(result.info, sort_keys=True, default=str)
+
+
+def generate_rollouts(
+    store: Any,
+    *,
+    model: str | Path | Generator,
+    task: str | Task,
+    prompts: int | Sequence[Prompt],
+    group_size: int,
+    policy_version: int,
+    backend: str = "vllm",
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    max_tokens: int = 64,
+    seed: int = 0,
+    batch_prompts: int = 64,
+    embedder: Any | None = None,
+    run_id: str = "default",
+    policy_id: str | None = None,
+    progress: bool = True,
+) -> GenerateSummary:
+    """Generate ``prompts x group_size`` scored rollouts into ``store``; see the module docstring.
+
+    ``model`` is a checkpoint folder (the ``backend`` generator is built and, for vLLM, closed
+    again here) or an already-built generator, which is used as is (its ``policy_version`` must
+    equal ``policy_version``). ``task`` is a task name or :class:`Task`; ``prompts`` a count
+    (drawn with ``task.make_prompts(prompts, seed)``) or explicit :class:`Prompt` objects.
+    Batch ``b`` of ``batch_prompts`` prompts is sampled with seed ``seed + b``. ``embedder``
+    defaults to ``HashingEmbedder(dim=store.embedding_dim)``; it must map a list of token-id
+    lists to a ``(N, store.embedding_dim)`` array.
+    """
+    from tqdm.auto import tqdm
+
+    sampling = SamplingConfig(group_size, temperature, top_p, top_k, max_tokens, seed)
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; choose one of {list(BACKENDS)}")
+    if _not_int(batch_prompts) or batch_prompts < 1:
+        raise ValueError(f"batch_prompts must be an int >= 1, got {batch_prompts!r}")
+    if _not_int(policy_version) or policy_version < 0:
+        raise ValueError(f"policy_version must be an int >= 0, got {policy_version!r}")
+    if not isinstance(run_id, str) or not run_id:
+        raise ValueError(f"run_id must be a non-empty str, got {run_id!r}")
+    task_obj = get_task(task) if isinstance(task, str) else task
+    if isinstance(prompts, int) and not isinstance(prompts, bool):
+        if prompts < 1:
+            raise ValueError(f"prompts must be >= 1, got {prompts}")
+        prompt_objs = task_obj.make_prompts(prompts, seed)
+    else:
+        prompt_objs = list(prompts)
+        if not prompt_objs or not all(isinstance(p, Prompt) for p in prompt_objs):
+            raise ValueError("prompts must be a count >= 1 or a non-empty list of Prompt")
+    if embedder is None:
+        embedder = HashingEmbedder(dim=store.embedding_dim)
+
+    owned = not hasattr(model, "generate")
+    gen = (
+        make_generator(
+            model, backend, policy_version=policy_version, policy_id=policy_id, seed=seed
+        )
+        if owned
+        else model
+    )
+    recorded = getattr(gen, "policy_version", policy_version)
+    if recorded != policy_version:
+        raise ValueError(
+            f"policy_version {policy_version} does not match the generator's policy_version "
+            f"{recorded}; the store would record the wrong policy"
+        )
+    rollouts = tokens = 0
+    reward_sum = 0.0
+    version = store.version
+    start = time.perf_counter()
+    try:
+        bar = tqdm(
+            total=len(prompt_objs) * group_size,
+            unit="rollout",
+            desc=f"generate[{backend if owned else type(gen).__name__}]",
+            disable=not progress,
+        )
+        with bar:
+            for b, lo in enumerate(range(0, len(prompt_objs), batch_prompts)):
+                batch = prompt_objs[lo : lo + batch_prompts]
+                rows = gen.generate(
+                    [p.prompt_text for p in batch],
+                    group_size=sampling.group_size,
+                    temperature=sampling.temperature,
+                    top_p=sampling.top_p,
+                    top_k=sampling.top_k,
+                    max_tokens=sampling.max_tokens,
+                    seed=sampling.seed + b,
+                )
+                if len(rows) != len(batch) * group_size:
+                    raise RuntimeError(
+                        f"generator returned {len(rows)} rows for {len(batch)} prompts x "
+                        f"group {group_size}"
+                    )
+                _finish_rows(rows, batch, task_obj, embedder, store.embedding_dim, run_id)
+                version = store.append(rows).version
+                n_tok = sum(len(r["completion_ids"]) for r in rows)
+                rollouts += len(rows)
+                tokens += n_tok
+                reward_sum += sum(r["reward"] for r in rows)
+                elapsed = time.perf_counter() - start
+                bar.update(len(rows))
+                bar.set_postfix(
+                    reward=f"{reward_sum / rollouts:.3f}",
+                    tok_s=f"{tokens / max(elapsed, 1e-9):.0f}",
+                )
+        seconds = time.perf_counter() - start
+    finally:
+        # Stopping an engine takes seconds; it is not part of the measured time.
+        if owned and hasattr(gen, "close"):
+            gen.close()
+    return GenerateSummary(
+        rollouts=rollouts,
+        tokens=tokens,
+        mean_reward=reward_sum / rollouts if rollouts else float("nan"),
+        tokens_per_s=tokens / seconds if seconds > 0 else float("inf"),
+        seconds=seconds,
+        store_version=version,
+    )
+
+
+def _finish_rows(
+    rows: list[dict[str, Any]],
+    prompts: Sequence[Prompt],
+    task: Task,
+    embedder: Any,
+    dim: int,
+    run_id: str,
+) -> None:
+    """Rewards, advantages, embeddings and bookkeeping columns for one batch, in place."""
+    score_rows(task, prompts, rows)
+    adv = group_advantages([r["reward"] for r in rows], [r["group_id"] for r in rows])
+    emb = np.asarray(embedder.embed([r["completion_ids"] for r in rows]), dtype=np.float32)
+    if emb.shape != (len(rows), dim):
+        raise ValueError(f"embedder returned shape {emb.shape}, expected {(len(rows), dim)}")
+    per = len(rows) // len(prompts)
+    for k, row in enumerate(rows):
+        prompt = prompts[k // per]
+        row["advantage"] = float(adv[k])
+        row["embedding"] = emb[k].tolist()
+        row["task"] = task.name or type(task).__name__
+        row["run_id"] = run_id
+        row["metadata"] = json.dumps(
+            {"answer": prompt.answer, "prompt_meta": prompt.meta}, sort_keys=True, default=str
+        )
+
+
+# -- CLI ---------------------------------------------------------------------------------
+
+
+def resolve_model(model: str, store_path: str | Path, task: str) -> Path:
+    """``model`` as a folder; ``"tiny"`` means ``STORE/../tiny-model``, built for ``task`` if absent."""
+    if model != TINY_MODEL:
+        path = Path(model)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"--model {model}: no config.json in that folder")
+        return path
+    path = Path(store_path).resolve().parent / "tiny-model"
+    if not (path / "config.json").is_file():
+        from trainer.tiny import make_tiny_model
+
+        print(f"building a tiny {task} model into {path}")
+        make_tiny_model(path, task=task, seed=0)
+    return path
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    """Run ``rolloutstore generate`` from parsed arguments and print the closing summary line."""
+    from rolloutstore import RolloutStore
+
+    store = RolloutStore.open(args.store, create=True)
+    model = resolve_model(args.model, args.store, args.task)
+    summary = generate_rollouts(
+        store,
+        model=model,
+        task=args.task,
+        prompts=args.prompts,
+        group_size=args.group_size,
+        policy_version=args.policy_version,
+        backend=args.backend,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+        batch_prompts=args.batch_prompts,
+        run_id=args.run_id,
+        policy_id=args.policy_id,
+        progress=not args.quiet,
+    )
+    print(summary.line())
+
+
+def add_generate_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``generate`` on an ``add_subparsers()`` object; ``args.func(args)`` runs it."""
+    p = subparsers.add_parser(
+        "generate", help="sample scored rollouts from a model into a store (vLLM or transformers)"
+    )
+    p.add_argument("store")
+    p.add_argument(
+        "--model",
+        required=True,
+        help="checkpoint folder, or 'tiny' (built into STORE/../tiny-model)",
+    )
+    p.add_argument("--task", default="arith", help="task name (arith, countdown, ...)")
+    p.add_argument("--prompts", type=int, default=256, help="number of prompts to draw")
+    p.add_argument("--group-size", type=int, default=8, help="completions per prompt")
+    p.add_argument("--policy-version", type=int, default=0)
+    p.add_argument("--policy-id", default=None)
+    p.add_argument("--backend", choices=BACKENDS, default="vllm")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0 disables top-k")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-prompts", type=int, default=64, help="prompts per append")
+    p.add_argument("--run-id", default="default")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_generate)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m trainer.generate generate STORE ...`` (same arguments as the subcommand)."""
+    ap = argparse.ArgumentParser(prog="python -m trainer.generate")
+    add_generate_parser(ap.add_subparsers(dest="cmd", required=True))
+    args = ap.parse_args(argv)
+    args.func(args)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
