@@ -47,3 +47,15 @@ def prompt_id_of(token_ids) -> str:
     """The prompt id of one prompt's token ids (same as the store computes)."""
     arr = np.asarray(token_ids, dtype="<i4")
     return hashlib.blake2b(arr.tobytes(), digest_size=8).hexdigest()
+
+
+def deterministic_uuid7(key: str, ms: int) -> str:
+    """A UUIDv7-shaped id that is a pure function of ``key`` (and ``ms``, its time field).
+
+    Reproducible runs give rollouts the same ids when they regenerate them after a
+    resume; ``ms`` is the run's start time, so ids still sort by run.
+    """
+    rand = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=10).digest(), "big")
+    rand_a, rand_b = rand >> 62 & 0xFFF, rand & ((1 << 62) - 1)
+    value = (ms & ((1 << 48) - 1)) << 80 | 0x7 << 76 | rand_a << 64 | 0b10 << 62 | rand_b
+    return str(uuid.UUID(int=value))

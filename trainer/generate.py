@@ -37,6 +37,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from rolloutstore.ids import deterministic_uuid7
 from trainer.advantage import group_advantages
 from trainer.embed import HashingEmbedder
 from trainer.tasks import Prompt, Task, get_task
@@ -176,8 +177,14 @@ def generate_rollouts(
     run_id: str = "default",
     policy_id: str | None = None,
     progress: bool = True,
+    id_namespace: str | None = None,
+    id_time_ms: int = 0,
 ) -> GenerateSummary:
     """Generate ``prompts x group_size`` scored rollouts into ``store``; see the module docstring.
+
+    ``id_namespace``: give rows deterministic ids (and group ids) derived from it, and
+    skip batches whose rows are already in the store, so that a resumed run
+    regenerates exactly what is missing and nothing twice.
 
     ``model`` is a checkpoint folder (the ``backend`` generator is built and, for vLLM, closed
     again here) or an already-built generator, which is used as is (its ``policy_version`` must
@@ -238,6 +245,12 @@ def generate_rollouts(
         with bar:
             for b, lo in enumerate(range(0, len(prompt_objs), batch_prompts)):
                 batch = prompt_objs[lo : lo + batch_prompts]
+                if id_namespace is not None:
+                    first = deterministic_uuid7(f"{id_namespace}/b{b}/0", id_time_ms)
+                    if store.count(filter=f"rollout_id = '{first}'"):
+                        # Already appended by an earlier (crashed) attempt: batches are atomic.
+                        bar.update(len(batch) * group_size)
+                        continue
                 rows = gen.generate(
                     [p.prompt_text for p in batch],
                     group_size=sampling.group_size,
@@ -253,6 +266,12 @@ def generate_rollouts(
                         f"group {group_size}"
                     )
                 _finish_rows(rows, batch, task_obj, embedder, store.embedding_dim, run_id)
+                if id_namespace is not None:
+                    for k, row in enumerate(rows):
+                        row["rollout_id"] = deterministic_uuid7(
+                            f"{id_namespace}/b{b}/{k}", id_time_ms
+                        )
+                        row["group_id"] = f"{id_namespace}/b{b}/g{k // group_size}"
                 version = store.append(rows).version
                 n_tok = sum(len(r["completion_ids"]) for r in rows)
                 rollouts += len(rows)

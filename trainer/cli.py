@@ -1,0 +1,87 @@
+"""``rolloutstore-train``: run, resume and inspect replay-RL training runs.
+
+    rolloutstore-train train CONFIG.toml [--set run.steps=20 ...]
+    rolloutstore-train resume RUN_DIR [--steps N]
+    python -m trainer train CONFIG.toml
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tomllib
+from pathlib import Path
+
+from .config import ConfigError, TrainConfig
+
+
+def _apply_sets(data: dict, sets: list[str]) -> dict:
+    for item in sets:
+        key, sep, raw = item.partition("=")
+        if not sep or "." not in key:
+            raise ConfigError(f"--set takes SECTION.KEY=VALUE, got {item!r}")
+        section, name = key.split(".", 1)
+        try:
+            value = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = raw  # a bare string
+        data.setdefault(section, {})[name] = value
+    return data
+
+
+def _summary(result) -> None:
+    store = result.store
+    print(f"\nrun folder   {result.run_dir}")
+    print(f"store        {store}")
+    if result.first_eval is not None and result.last_eval is not None:
+        print(f"eval reward  {result.first_eval:.3f} -> {result.last_eval:.3f} "
+              f"after {result.steps} learner steps")
+    print(f"metrics      {result.run_dir / 'metrics.jsonl'} (TensorBoard: {result.run_dir / 'tb'})")
+    print("look inside: rolloutstore sql " + str(store) + ' "SELECT policy_version, count(*) AS n, '
+          'round(avg(reward), 3) AS reward FROM rollouts GROUP BY 1 ORDER BY 1"')
+
+
+def cmd_train(a) -> None:
+    from .train import train
+
+    data = tomllib.loads(Path(a.config).read_text())
+    cfg = TrainConfig.from_dict(_apply_sets(data, a.set))
+    _summary(train(cfg, progress=not a.quiet))
+
+
+def cmd_resume(a) -> None:
+    from .train import train
+
+    meta = json.loads((Path(a.run_dir) / "run.json").read_text())
+    data = _apply_sets(meta["config"], a.set)
+    data.setdefault("run", {})["dir"] = str(a.run_dir)
+    cfg = TrainConfig.from_dict(data)
+    _summary(train(cfg, resume=True, progress=not a.quiet))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="rolloutstore-train", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("train", help="start a run from a TOML config")
+    p.add_argument("config")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    p.add_argument("-q", "--quiet", action="store_true")
+    p.set_defaults(func=cmd_train)
+    p = sub.add_parser("resume", help="continue a run from its newest checkpoint")
+    p.add_argument("run_dir")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="e.g. run.steps=80 to train further")
+    p.add_argument("-q", "--quiet", action="store_true")
+    p.set_defaults(func=cmd_resume)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except (ConfigError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,187 @@
+"""The run configuration: one TOML file, one frozen dataclass per section.
+
+    [model]       path = "tiny" (build one) or a model folder
+    [task]        name = "arith", plus the task's own options under [task.options]
+    [generation]  backend, group size, sampling, prompts per round
+    [replay]      rolloutstore.ReplayConfig
+    [loss]        trainer.loss.LossConfig
+    [optim]       trainer.learner.OptimConfig
+    [run]         dir, seed, steps, updates per round, batch size, checkpoints, mode
+
+Unknown sections or keys and bad values fail before any work starts, naming
+``[section].key``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from rolloutstore.replay.config import ReplayConfig
+
+from .learner import OptimConfig
+from .loss import LossConfig
+
+Backend = Literal["hf", "vllm", "auto"]
+Mode = Literal["sync", "async"]
+
+
+def _h(text: str, default: Any) -> Any:
+    if isinstance(default, (dict, list)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": text})
+    return field(default=default, metadata={"help": text})
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str = _h('"tiny" to build a tiny Qwen2 model for the task, or a model folder', "tiny")
+    hidden_size: int = _h("tiny model: hidden size (head_dim 64 for vLLM on CPU)", 128)
+    num_layers: int = _h("tiny model: layers", 2)
+    vocab_size: int = _h("tiny model: tokenizer vocabulary", 512)
+    seed: int = _h("tiny model: init seed", 0)
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % 64:
+            raise ValueError(f"hidden_size must be a multiple of 64, got {self.hidden_size}")
+
+
+@dataclass(frozen=True)
+class TaskConfig:
+    name: str = _h("task with a verifiable reward: arith, countdown, file", "arith")
+    options: dict = _h("the task's own options (e.g. max_digits)", {})
+    eval_prompts: int = _h("held-out prompts scored greedily-free at each eval", 64)
+
+    def __post_init__(self) -> None:
+        if self.eval_prompts < 0:
+            raise ValueError(f"eval_prompts must be >= 0, got {self.eval_prompts}")
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    backend: Backend = _h("hf (transformers), vllm, or auto (vllm when installed)", "hf")
+    group_size: int = _h("samples per prompt (GRPO group)", 8)
+    temperature: float = _h("sampling temperature (> 0)", 1.0)
+    top_p: float = _h("nucleus threshold", 1.0)
+    top_k: int = _h("top-k cut-off, 0 for none", 0)
+    max_tokens: int = _h("completion token budget", 16)
+    prompts_per_round: int = _h("prompts generated per round", 32)
+    batch_prompts: int = _h("prompts per generation call (one atomic append each)", 64)
+
+    def __post_init__(self) -> None:
+        if self.backend not in typing.get_args(Backend):
+            raise ValueError(f"backend must be one of {typing.get_args(Backend)}, got {self.backend!r}")
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        for name in ("group_size", "max_tokens", "prompts_per_round", "batch_prompts"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    dir: str = _h("run folder: store, checkpoints, weights, metrics", "runs/arith")
+    run_id: str = _h("run id recorded with rollouts (default: the folder name)", "")
+    seed: int = _h("seed of generation, selection and the learner", 0)
+    steps: int = _h("learner (optimizer) steps in total", 40)
+    updates_per_round: int = _h("learner steps per generation round (sets the replay ratio)", 2)
+    batch_size: int = _h("rollouts per learner step", 64)
+    checkpoint_every: int = _h("learner steps between checkpoints", 10)
+    keep_checkpoints: int = _h("checkpoints kept", 3)
+    mode: Mode = _h("sync: one process alternates; async: actors and a learner", "sync")
+    actors: int = _h("async: actor processes", 1)
+    min_rows: int = _h("async: the learner waits until the buffer holds this many rows", 64)
+    warm_start_steps: int = _h("supervised steps on task solutions before RL", 0)
+    warm_start_lr: float = _h("learning rate of the warm start", 1e-3)
+    eval_every: int = _h("learner steps between evaluations (0: only at the end)", 10)
+
+    def __post_init__(self) -> None:
+        if self.mode not in typing.get_args(Mode):
+            raise ValueError(f"mode must be one of {typing.get_args(Mode)}, got {self.mode!r}")
+        for name in ("steps", "updates_per_round", "batch_size", "checkpoint_every", "actors"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("keep_checkpoints", "min_rows", "warm_start_steps", "eval_every"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "task": TaskConfig,
+    "generation": GenerationConfig,
+    "replay": ReplayConfig,
+    "loss": LossConfig,
+    "optim": OptimConfig,
+    "run": RunConfig,
+}
+
+
+class ConfigError(ValueError):
+    """A config file names an unknown key or a bad value; names ``[section].key``."""
+
+
+def _build(section: str, cls: type, values: dict[str, Any]) -> Any:
+    if not isinstance(values, dict):
+        raise ConfigError(f"[{section}] must be a table, got {type(values).__name__}")
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in values:
+        if key not in names:
+            raise ConfigError(
+                f"[{section}].{key}: unknown key; known keys: {', '.join(sorted(names))}"
+            )
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for key, value in values.items():
+        if isinstance(value, list) and "tuple" in str(hints[key]):
+            value = tuple(value)
+        kwargs[key] = value
+    try:
+        return cls(**kwargs)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"[{section}]: {exc}") from exc
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    replay: ReplayConfig = field(default_factory=ReplayConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
+        for section in d:
+            if section not in SECTIONS:
+                raise ConfigError(
+                    f"[{section}]: unknown section; known sections: {', '.join(SECTIONS)}"
+                )
+        return cls(**{name: _build(name, kind, d.get(name, {})) for name, kind in SECTIONS.items()})
+
+    @classmethod
+    def load(cls, path: str | Path) -> TrainConfig:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
+        return cls.from_dict(data)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {}
+        for name in SECTIONS:
+            d = dataclasses.asdict(getattr(self, name))
+            out[name] = {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
+        return out
+
+    def with_run(self, **changes: Any) -> TrainConfig:
+        return dataclasses.replace(self, run=dataclasses.replace(self.run, **changes))
+
+    @property
+    def run_id(self) -> str:
+        return self.run.run_id or Path(self.run.dir).name

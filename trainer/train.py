@@ -1,0 +1,297 @@
+"""The main job: replay RL on a task, through the rollout store, with exact resume.
+
+    rolloutstore-train train examples/arith.toml
+    rolloutstore-train resume runs/arith
+
+Sync mode, one process, top to bottom:
+
+    build or load the model -> optional supervised warm start on task solutions
+    repeat until run.steps learner steps:
+        every run.updates_per_round steps: a generation round with the current weights
+            (rollouts scored, advantaged, embedded, appended to RUN_DIR/store)
+        one learner step on a batch the selector draws from the store (the replay buffer)
+        metrics -> RUN_DIR/metrics.jsonl and TensorBoard; checkpoints every N steps
+
+Determinism: prompts, sampling seeds and rollout ids of round r are functions of
+(run seed, r); the loader's draws are functions of (seed, step, store content);
+so a run resumed from a checkpoint regenerates exactly the rollouts the crashed
+run had not yet appended (batches it had appended are kept and skipped) and
+then takes exactly the steps the uninterrupted run would have taken.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from rolloutstore import RolloutStore
+from rolloutstore.replay.loader import ReplayDataset
+
+from .checkpoint import latest_checkpoint, load_checkpoint, publish_weights, save_checkpoint
+from .config import TrainConfig
+from .generate import generate_rollouts
+from .learner import Learner
+from .tasks import get_task
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    run_dir: Path
+    store: Path
+    steps: int
+    first_eval: float | None
+    last_eval: float | None
+
+
+class RunDirError(ValueError):
+    """The run folder does not fit the request (exists already, or holds nothing to resume)."""
+
+
+# -- setup ---------------------------------------------------------------------------------
+def prepare_model(cfg: TrainConfig, run_dir: Path) -> Path:
+    """The initial model folder: built once for ``tiny``, else the configured path."""
+    if cfg.model.path != "tiny":
+        return Path(cfg.model.path)
+    path = run_dir / "model-init"
+    if not (path / "config.json").exists():
+        from .tiny import make_tiny_model
+
+        tmp = run_dir / ".model-init-tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        make_tiny_model(
+            tmp,
+            task=cfg.task.name if cfg.task.name in ("arith", "countdown") else "arith",
+            seed=cfg.model.seed,
+            hidden_size=cfg.model.hidden_size,
+            num_layers=cfg.model.num_layers,
+            num_heads=cfg.model.hidden_size // 64,
+            vocab_size=cfg.model.vocab_size,
+        )
+        tmp.rename(path)
+    return path
+
+
+def load_model(path: Path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, local_files_only=True)
+    tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    return model.float(), tok
+
+
+def warm_start(model, tokenizer, task, *, steps: int, lr: float, seed: int, batch: int = 32) -> list[float]:
+    """Supervised steps on task solutions so that early rewards are not all zero.
+
+    Prompt and answer are tokenized separately and concatenated, exactly as the
+    generator sees them; only answer tokens (and EOS) carry loss.
+    """
+    torch.manual_seed(seed)
+    prompts = task.make_prompts(steps * batch, seed=seed + 7_919)
+    eos = tokenizer.eos_token_id
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    model.train()
+    losses = []
+    for i in range(steps):
+        chunk = prompts[i * batch : (i + 1) * batch]
+        seqs, labels = [], []
+        for p in chunk:
+            pi = tokenizer(p.prompt_text, add_special_tokens=False)["input_ids"]
+            ai = tokenizer(" " + p.answer, add_special_tokens=False)["input_ids"] + [eos]
+            seqs.append(pi + ai)
+            labels.append([-100] * len(pi) + ai)
+        width = max(map(len, seqs))
+        ids = torch.full((len(seqs), width), eos, dtype=torch.long)
+        lab = torch.full((len(seqs), width), -100, dtype=torch.long)
+        att = torch.zeros((len(seqs), width), dtype=torch.long)
+        for j, (s, lb) in enumerate(zip(seqs, labels)):
+            ids[j, : len(s)] = torch.tensor(s)
+            lab[j, : len(lb)] = torch.tensor(lb)
+            att[j, : len(s)] = 1
+        loss = model(input_ids=ids, attention_mask=att, labels=lab).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+    return losses
+
+
+def evaluate(generator, task, cfg: TrainConfig) -> float:
+    """Mean reward on held-out prompts (one sample each, training temperature, fixed seed)."""
+    n = cfg.task.eval_prompts
+    if n == 0:
+        return float("nan")
+    prompts = task.make_prompts(n, seed=10_000_019 + cfg.run.seed)
+    g = cfg.generation
+    rows = generator.generate([p.prompt_text for p in prompts], group_size=1,
+                              temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
+                              max_tokens=g.max_tokens, seed=cfg.run.seed + 99)
+    return float(np.mean([task.reward(p, r["completion_text"]).reward for p, r in zip(prompts, rows)]))
+
+
+# -- metrics -------------------------------------------------------------------------------
+class Metrics:
+    """Appends one JSON line per event to RUN_DIR/metrics.jsonl and mirrors scalars to TensorBoard."""
+
+    def __init__(self, run_dir: Path):
+        self.path = run_dir / "metrics.jsonl"
+        self.tb = None
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(run_dir / "tb"))
+        except ImportError:  # tensorboard is a dependency; keep going without it if absent
+            pass
+
+    def log(self, kind: str, step: int, values: dict[str, Any]) -> None:
+        rec = {"kind": kind, "step": step, "time": time.time(), **values}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(rec, default=_jsonable) + "\n")
+        if self.tb is not None:
+            for k, v in values.items():
+                if isinstance(v, (int, float)) and math.isfinite(v):
+                    self.tb.add_scalar(f"{kind}/{k}", v, step)
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+
+
+def _jsonable(v):
+    if isinstance(v, (np.integer, np.floating)):
+        return v.item()
+    return str(v)
+
+
+# -- the loop ------------------------------------------------------------------------------
+def _run_meta(run_dir: Path, cfg: TrainConfig, resume: bool) -> dict[str, Any]:
+    meta_path = run_dir / "run.json"
+    if meta_path.exists():
+        meta = json.loads(meta_path.read_text())
+        if not resume and latest_checkpoint(run_dir) is not None:
+            raise RunDirError(
+                f"{run_dir} already holds a run; continue it with `rolloutstore-train resume "
+                f"{run_dir}` or choose another [run].dir"
+            )
+        if resume:
+            return meta
+    elif resume:
+        raise RunDirError(f"{run_dir} holds no run to resume (no run.json)")
+    meta = {"run_id": cfg.run_id, "start_ms": time.time_ns() // 1_000_000, "config": cfg.to_dict()}
+    meta_path.write_text(json.dumps(meta, indent=2))
+    return meta
+
+
+def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> TrainResult:
+    """Run (or resume) the sync replay-RL loop described in the module docstring."""
+    from tqdm.auto import tqdm
+
+    from .hf_generate import HFGenerator
+
+    if cfg.run.mode != "sync":
+        raise NotImplementedError("mode = 'async' is not implemented yet; use mode = 'sync'")
+    run_dir = Path(cfg.run.dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    meta = _run_meta(run_dir, cfg, resume)
+    run_id, start_ms = meta["run_id"], meta["start_ms"]
+    model_dir = prepare_model(cfg, run_dir)
+    task = get_task(cfg.task.name, **cfg.task.options)
+    store = RolloutStore.open(run_dir / "store")
+    g, r = cfg.generation, cfg.run
+    if g.backend == "vllm":
+        raise NotImplementedError("the vLLM backend in the training loop is not wired yet; use hf")
+
+    model, tokenizer = load_model(model_dir)
+    ckpt = latest_checkpoint(run_dir) if resume else None
+    if ckpt is None and r.warm_start_steps:
+        warm_start(model, tokenizer, task, steps=r.warm_start_steps, lr=r.warm_start_lr, seed=r.seed)
+    learner = Learner(model, cfg.loss, cfg.optim, temperature=g.temperature,
+                      top_k=g.top_k or None, top_p=g.top_p if g.top_p < 1 else None,
+                      compute_entropy=True)
+    loader = ReplayDataset(store, cfg.replay, batch_size=r.batch_size, run_id=run_id, prefetch=0,
+                           learner_version=lambda _s: learner.policy_version)
+    step, totals = 0, {"generated_tokens": 0, "generated_rollouts": 0, "gen_seconds": 0.0,
+                       "train_seconds": 0.0}
+    first_eval = None
+    if ckpt is not None:
+        trainer_state, state = load_checkpoint(ckpt, learner.model)
+        learner.load_state_dict(trainer_state["learner"])
+        loader.load_state_dict(state["loader"])
+        step, totals, first_eval = state["step"], state["totals"], state.get("first_eval")
+
+    generator = HFGenerator(model_dir, policy_version=learner.policy_version, policy_id=run_id)
+    metrics = Metrics(run_dir)
+
+    def sync_generator() -> None:
+        generator.model.load_state_dict(learner.model.state_dict())
+        generator.policy_version = learner.policy_version
+
+    if first_eval is None:
+        sync_generator()
+        first_eval = evaluate(generator, task, cfg)
+        metrics.log("eval", step, {"reward": first_eval, "generated_tokens": 0})
+    it = iter(loader)
+    bar = tqdm(total=r.steps, initial=step, desc="train", unit="step", disable=not progress)
+    last_eval = first_eval
+    try:
+        while step < r.steps:
+            if step % r.updates_per_round == 0:
+                sync_generator()
+                rnd = step // r.updates_per_round
+                summary = generate_rollouts(
+                    store, model=generator, task=task,
+                    prompts=task.make_prompts(g.prompts_per_round, seed=r.seed * 1_000_003 + rnd),
+                    group_size=g.group_size, policy_version=learner.policy_version, backend="hf",
+                    temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
+                    max_tokens=g.max_tokens, seed=r.seed * 1_000_003 + rnd,
+                    batch_prompts=g.batch_prompts, run_id=run_id, policy_id=run_id,
+                    progress=False, id_namespace=f"{run_id}/r{rnd}", id_time_ms=start_ms,
+                )
+                totals["generated_tokens"] += summary.tokens
+                totals["generated_rollouts"] += summary.rollouts
+                totals["gen_seconds"] += summary.seconds
+                metrics.log("generate", step, {"round": rnd, "rollouts": summary.rollouts,
+                                               "tokens": summary.tokens, "reward": summary.mean_reward,
+                                               "seconds": summary.seconds,
+                                               "store_version": summary.store_version})
+            t0 = time.perf_counter()
+            batch = next(it)
+            m = learner.step(batch)
+            totals["train_seconds"] += time.perf_counter() - t0
+            step += 1
+            stale = batch["staleness"].numpy()
+            m.update(
+                reward=float(batch["rewards"].mean()),
+                replay_ratio=r.updates_per_round * r.batch_size / (g.prompts_per_round * g.group_size),
+                staleness_hist={int(k): int(v) for k, v in zip(*np.unique(stale, return_counts=True))},
+                store_version=int(batch["store_version"]),
+                **totals,
+            )
+            metrics.log("train", step, m)
+            bar.update(1)
+            bar.set_postfix(reward=f"{m['reward']:.2f}", loss=f"{m['loss']:.3f}")
+            if (r.eval_every and step % r.eval_every == 0) or step == r.steps:
+                sync_generator()
+                last_eval = evaluate(generator, task, cfg)
+                metrics.log("eval", step, {"reward": last_eval, **totals})
+            if step % r.checkpoint_every == 0 or step == r.steps:
+                save_checkpoint(
+                    run_dir, step, model=learner.model,
+                    trainer_state={"learner": learner.state_dict()},
+                    state={"policy_version": learner.policy_version, "loader": loader.state_dict(),
+                           "store_version": store.version, "totals": totals,
+                           "first_eval": first_eval, "config": cfg.to_dict()},
+                    keep=r.keep_checkpoints,
+                )
+        publish_weights(run_dir / "weights", learner.policy_version, learner.model, template=model_dir)
+    finally:
+        bar.close()
+        metrics.close()
+    return TrainResult(run_dir, run_dir / "store", step, first_eval, last_eval)
