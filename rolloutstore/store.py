@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import lance
@@ -264,7 +264,7 @@ class RolloutStore:
         n = len(rollout_ids)
         if n == 0:
             return 0
-        now = datetime.now(timezone.utc)
+        now = datetime.now(UTC)
         sch = S.table_schema("usage")
         table = pa.table(
             {
@@ -326,13 +326,11 @@ class RolloutStore:
             preds.append(f"policy_version < {int(min_policy_version)}")
         if older_than is not None:
             cutoff = (
-                older_than
-                if isinstance(older_than, datetime)
-                else (datetime.now(timezone.utc) - older_than)
+                older_than if isinstance(older_than, datetime) else (datetime.now(UTC) - older_than)
             )
             if cutoff.tzinfo is None:
-                cutoff = cutoff.replace(tzinfo=timezone.utc)
-            stamp = cutoff.astimezone(timezone.utc).strftime("%Y-%m-%d %H:%M:%S.%f")
+                cutoff = cutoff.replace(tzinfo=UTC)
+            stamp = cutoff.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S.%f")
             preds.append(f"created_at < TIMESTAMP '{stamp}'")
         if keep_last is not None:
             if keep_last < 0:
@@ -365,7 +363,7 @@ class RolloutStore:
             .to_pylist()[0]
             .values()
         )
-        stamp = datetime.fromtimestamp(ts / 1e6, timezone.utc).strftime("%Y-%m-%d %H:%M:%S.%f")
+        stamp = datetime.fromtimestamp(ts / 1e6, UTC).strftime("%Y-%m-%d %H:%M:%S.%f")
         t = f"TIMESTAMP '{stamp}'"
         rid = rid.replace("'", "''")
         return (

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import numpy as np
 import pyarrow as pa
@@ -216,7 +216,7 @@ def prepare(data, schema: pa.Schema, *, now: datetime | None = None) -> pa.Table
         row = _first_true(cols[name].is_null().to_numpy(zero_copy_only=False))
         if row is not None:
             raise ValidationError("required field is null", row=row, field=name)
-    stamp = now or datetime.now(timezone.utc)
+    stamp = now or datetime.now(UTC)
     ts = schema.field("created_at").type
     cols["rollout_id"] = _fill(cols.get("rollout_id"), n, lambda k: pa.array(uuid7_strings(k)))
     cols["group_id"] = _fill(cols.get("group_id"), n, lambda k: pa.array(uuid7_strings(k)))

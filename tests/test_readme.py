@@ -49,6 +49,9 @@ def test_python_examples_run(tmp_path, monkeypatch):
 
     assert RolloutStore.open(tmp_path / "runs/demo/store").count() == 1
     exec(compile(_block("## Replay", "python"), "README.md", "exec"), {})
-    assert RolloutStore.open(tmp_path / "runs/demo/store").sql(
-        "SELECT count(*) AS n FROM usage"
-    )["n"][0].as_py() >= 1
+    assert (
+        RolloutStore.open(tmp_path / "runs/demo/store")
+        .sql("SELECT count(*) AS n FROM usage")["n"][0]
+        .as_py()
+        >= 1
+    )

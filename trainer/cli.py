@@ -1,8 +1,8 @@
 """``rolloutstore-train``: run, resume and inspect replay-RL training runs.
 
-    rolloutstore-train train CONFIG.toml [--set run.steps=20 ...]
-    rolloutstore-train resume RUN_DIR [--steps N]
-    python -m trainer train CONFIG.toml
+rolloutstore-train train CONFIG.toml [--set run.steps=20 ...]
+rolloutstore-train resume RUN_DIR [--steps N]
+python -m trainer train CONFIG.toml
 """
 
 from __future__ import annotations
@@ -35,11 +35,15 @@ def _summary(result) -> None:
     print(f"\nrun folder   {result.run_dir}")
     print(f"store        {store}")
     if result.first_eval is not None and result.last_eval is not None:
-        print(f"eval reward  {result.first_eval:.3f} -> {result.last_eval:.3f} "
-              f"after {result.steps} learner steps")
+        print(
+            f"eval reward  {result.first_eval:.3f} -> {result.last_eval:.3f} "
+            f"after {result.steps} learner steps"
+        )
     print(f"metrics      {result.run_dir / 'metrics.jsonl'} (TensorBoard: {result.run_dir / 'tb'})")
-    print("look inside: rolloutstore sql " + str(store) + ' "SELECT policy_version, count(*) AS n, '
-          'round(avg(reward), 3) AS reward FROM rollouts GROUP BY 1 ORDER BY 1"')
+    print(
+        "look inside: rolloutstore sql " + str(store) + ' "SELECT policy_version, count(*) AS n, '
+        'round(avg(reward), 3) AS reward FROM rollouts GROUP BY 1 ORDER BY 1"'
+    )
 
 
 def cmd_train(a) -> None:
@@ -70,8 +74,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_train)
     p = sub.add_parser("resume", help="continue a run from its newest checkpoint")
     p.add_argument("run_dir")
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="e.g. run.steps=80 to train further")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="e.g. run.steps=80 to train further",
+    )
     p.add_argument("-q", "--quiet", action="store_true")
     p.set_defaults(func=cmd_resume)
     return ap

@@ -73,7 +73,9 @@ class GenerationConfig:
 
     def __post_init__(self) -> None:
         if self.backend not in typing.get_args(Backend):
-            raise ValueError(f"backend must be one of {typing.get_args(Backend)}, got {self.backend!r}")
+            raise ValueError(
+                f"backend must be one of {typing.get_args(Backend)}, got {self.backend!r}"
+            )
         if not self.temperature > 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
         for name in ("group_size", "max_tokens", "prompts_per_round", "batch_prompts"):
@@ -97,6 +99,7 @@ class RunConfig:
     warm_start_steps: int = _h("supervised steps on task solutions before RL", 0)
     warm_start_lr: float = _h("learning rate of the warm start", 1e-3)
     eval_every: int = _h("learner steps between evaluations (0: only at the end)", 10)
+    id_time_ms: int = _h("time field of rollout ids, ms since epoch (0: the run's start)", 0)
 
     def __post_init__(self) -> None:
         if self.mode not in typing.get_args(Mode):

@@ -179,12 +179,14 @@ def generate_rollouts(
     progress: bool = True,
     id_namespace: str | None = None,
     id_time_ms: int = 0,
+    on_append: Any | None = None,
 ) -> GenerateSummary:
     """Generate ``prompts x group_size`` scored rollouts into ``store``; see the module docstring.
 
     ``id_namespace``: give rows deterministic ids (and group ids) derived from it, and
     skip batches whose rows are already in the store, so that a resumed run
-    regenerates exactly what is missing and nothing twice.
+    regenerates exactly what is missing and nothing twice. ``on_append(b)`` is called
+    after batch ``b`` is committed.
 
     ``model`` is a checkpoint folder (the ``backend`` generator is built and, for vLLM, closed
     again here) or an already-built generator, which is used as is (its ``policy_version`` must
@@ -273,6 +275,8 @@ def generate_rollouts(
                         )
                         row["group_id"] = f"{id_namespace}/b{b}/g{k // group_size}"
                 version = store.append(rows).version
+                if on_append is not None:
+                    on_append(b)
                 n_tok = sum(len(r["completion_ids"]) for r in rows)
                 rollouts += len(rows)
                 tokens += n_tok

@@ -82,12 +82,16 @@ def prepare_model(cfg: TrainConfig, run_dir: Path) -> Path:
 def load_model(path: Path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=torch.float32, local_files_only=True
+    )
     tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     return model.float(), tok
 
 
-def warm_start(model, tokenizer, task, *, steps: int, lr: float, seed: int, batch: int = 32) -> list[float]:
+def warm_start(
+    model, tokenizer, task, *, steps: int, lr: float, seed: int, batch: int = 32
+) -> list[float]:
     """Supervised steps on task solutions so that early rewards are not all zero.
 
     Prompt and answer are tokenized separately and concatenated, exactly as the
@@ -130,10 +134,18 @@ def evaluate(generator, task, cfg: TrainConfig) -> float:
         return float("nan")
     prompts = task.make_prompts(n, seed=10_000_019 + cfg.run.seed)
     g = cfg.generation
-    rows = generator.generate([p.prompt_text for p in prompts], group_size=1,
-                              temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
-                              max_tokens=g.max_tokens, seed=cfg.run.seed + 99)
-    return float(np.mean([task.reward(p, r["completion_text"]).reward for p, r in zip(prompts, rows)]))
+    rows = generator.generate(
+        [p.prompt_text for p in prompts],
+        group_size=1,
+        temperature=g.temperature,
+        top_p=g.top_p,
+        top_k=g.top_k,
+        max_tokens=g.max_tokens,
+        seed=cfg.run.seed + 99,
+    )
+    return float(
+        np.mean([task.reward(p, r["completion_text"]).reward for p, r in zip(prompts, rows)])
+    )
 
 
 # -- metrics -------------------------------------------------------------------------------
@@ -170,6 +182,16 @@ def _jsonable(v):
     return str(v)
 
 
+# -- fault injection (tests only) ------------------------------------------------------------
+def _fault(where: str) -> None:
+    """SIGKILL this process when ROLLOUTSTORE_FAULT names ``where`` (crash-safety tests)."""
+    import os
+    import signal
+
+    if os.environ.get("ROLLOUTSTORE_FAULT") == where:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 # -- the loop ------------------------------------------------------------------------------
 def _run_meta(run_dir: Path, cfg: TrainConfig, resume: bool) -> dict[str, Any]:
     meta_path = run_dir / "run.json"
@@ -184,7 +206,8 @@ def _run_meta(run_dir: Path, cfg: TrainConfig, resume: bool) -> dict[str, Any]:
             return meta
     elif resume:
         raise RunDirError(f"{run_dir} holds no run to resume (no run.json)")
-    meta = {"run_id": cfg.run_id, "start_ms": time.time_ns() // 1_000_000, "config": cfg.to_dict()}
+    start_ms = cfg.run.id_time_ms or time.time_ns() // 1_000_000
+    meta = {"run_id": cfg.run_id, "start_ms": start_ms, "config": cfg.to_dict()}
     meta_path.write_text(json.dumps(meta, indent=2))
     return meta
 
@@ -211,14 +234,30 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> T
     model, tokenizer = load_model(model_dir)
     ckpt = latest_checkpoint(run_dir) if resume else None
     if ckpt is None and r.warm_start_steps:
-        warm_start(model, tokenizer, task, steps=r.warm_start_steps, lr=r.warm_start_lr, seed=r.seed)
-    learner = Learner(model, cfg.loss, cfg.optim, temperature=g.temperature,
-                      top_k=g.top_k or None, top_p=g.top_p if g.top_p < 1 else None,
-                      compute_entropy=True)
-    loader = ReplayDataset(store, cfg.replay, batch_size=r.batch_size, run_id=run_id, prefetch=0,
-                           learner_version=lambda _s: learner.policy_version)
-    step, totals = 0, {"generated_tokens": 0, "generated_rollouts": 0, "gen_seconds": 0.0,
-                       "train_seconds": 0.0}
+        warm_start(
+            model, tokenizer, task, steps=r.warm_start_steps, lr=r.warm_start_lr, seed=r.seed
+        )
+    learner = Learner(
+        model,
+        cfg.loss,
+        cfg.optim,
+        temperature=g.temperature,
+        top_k=g.top_k or None,
+        top_p=g.top_p if g.top_p < 1 else None,
+        compute_entropy=True,
+    )
+    loader = ReplayDataset(
+        store,
+        cfg.replay,
+        batch_size=r.batch_size,
+        run_id=run_id,
+        prefetch=0,
+        learner_version=lambda _s: learner.policy_version,
+    )
+    step, totals = (
+        0,
+        {"generated_tokens": 0, "generated_rollouts": 0, "gen_seconds": 0.0, "train_seconds": 0.0},
+    )
     first_eval = None
     if ckpt is not None:
         trainer_state, state = load_checkpoint(ckpt, learner.model)
@@ -246,21 +285,41 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> T
                 sync_generator()
                 rnd = step // r.updates_per_round
                 summary = generate_rollouts(
-                    store, model=generator, task=task,
+                    store,
+                    model=generator,
+                    task=task,
                     prompts=task.make_prompts(g.prompts_per_round, seed=r.seed * 1_000_003 + rnd),
-                    group_size=g.group_size, policy_version=learner.policy_version, backend="hf",
-                    temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
-                    max_tokens=g.max_tokens, seed=r.seed * 1_000_003 + rnd,
-                    batch_prompts=g.batch_prompts, run_id=run_id, policy_id=run_id,
-                    progress=False, id_namespace=f"{run_id}/r{rnd}", id_time_ms=start_ms,
+                    group_size=g.group_size,
+                    policy_version=learner.policy_version,
+                    backend="hf",
+                    temperature=g.temperature,
+                    top_p=g.top_p,
+                    top_k=g.top_k,
+                    max_tokens=g.max_tokens,
+                    seed=r.seed * 1_000_003 + rnd,
+                    batch_prompts=g.batch_prompts,
+                    run_id=run_id,
+                    policy_id=run_id,
+                    progress=False,
+                    id_namespace=f"{run_id}/r{rnd}",
+                    id_time_ms=start_ms,
+                    on_append=lambda b, rnd=rnd: _fault(f"generate:{rnd}:{b}"),
                 )
                 totals["generated_tokens"] += summary.tokens
                 totals["generated_rollouts"] += summary.rollouts
                 totals["gen_seconds"] += summary.seconds
-                metrics.log("generate", step, {"round": rnd, "rollouts": summary.rollouts,
-                                               "tokens": summary.tokens, "reward": summary.mean_reward,
-                                               "seconds": summary.seconds,
-                                               "store_version": summary.store_version})
+                metrics.log(
+                    "generate",
+                    step,
+                    {
+                        "round": rnd,
+                        "rollouts": summary.rollouts,
+                        "tokens": summary.tokens,
+                        "reward": summary.mean_reward,
+                        "seconds": summary.seconds,
+                        "store_version": summary.store_version,
+                    },
+                )
             t0 = time.perf_counter()
             batch = next(it)
             m = learner.step(batch)
@@ -269,12 +328,17 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> T
             stale = batch["staleness"].numpy()
             m.update(
                 reward=float(batch["rewards"].mean()),
-                replay_ratio=r.updates_per_round * r.batch_size / (g.prompts_per_round * g.group_size),
-                staleness_hist={int(k): int(v) for k, v in zip(*np.unique(stale, return_counts=True))},
+                replay_ratio=r.updates_per_round
+                * r.batch_size
+                / (g.prompts_per_round * g.group_size),
+                staleness_hist={
+                    int(k): int(v) for k, v in zip(*np.unique(stale, return_counts=True))
+                },
                 store_version=int(batch["store_version"]),
                 **totals,
             )
             metrics.log("train", step, m)
+            _fault(f"step:{step}")
             bar.update(1)
             bar.set_postfix(reward=f"{m['reward']:.2f}", loss=f"{m['loss']:.3f}")
             if (r.eval_every and step % r.eval_every == 0) or step == r.steps:
@@ -283,14 +347,23 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> T
                 metrics.log("eval", step, {"reward": last_eval, **totals})
             if step % r.checkpoint_every == 0 or step == r.steps:
                 save_checkpoint(
-                    run_dir, step, model=learner.model,
+                    run_dir,
+                    step,
+                    model=learner.model,
                     trainer_state={"learner": learner.state_dict()},
-                    state={"policy_version": learner.policy_version, "loader": loader.state_dict(),
-                           "store_version": store.version, "totals": totals,
-                           "first_eval": first_eval, "config": cfg.to_dict()},
+                    state={
+                        "policy_version": learner.policy_version,
+                        "loader": loader.state_dict(),
+                        "store_version": store.version,
+                        "totals": totals,
+                        "first_eval": first_eval,
+                        "config": cfg.to_dict(),
+                    },
                     keep=r.keep_checkpoints,
                 )
-        publish_weights(run_dir / "weights", learner.policy_version, learner.model, template=model_dir)
+        publish_weights(
+            run_dir / "weights", learner.policy_version, learner.model, template=model_dir
+        )
     finally:
         bar.close()
         metrics.close()

@@ -293,7 +293,9 @@ class Selector:
         others = self._other_uses(usage)
         ids = buf["rollout_id"].to_pylist()
         counts = [self._own_uses.get(r, 0) + len(others.get(r, ())) for r in ids]
-        return pa.table({"rollout_id": pa.array(ids, pa.string()), "n": pa.array(counts, pa.int64())})
+        return pa.table(
+            {"rollout_id": pa.array(ids, pa.string()), "n": pa.array(counts, pa.int64())}
+        )
 
     def _other_uses(self, usage) -> dict[str, set]:
         """Other runs' distinct (run, step) uses per rollout, read incrementally.

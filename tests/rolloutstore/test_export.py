@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import duckdb
 import numpy as np
@@ -385,7 +385,7 @@ def rollout(draw, i: int) -> dict:
         "created_at": draw(
             st.none()
             | st.datetimes(datetime(1971, 1, 1), datetime(2100, 1, 1)).map(
-                lambda d: d.replace(tzinfo=timezone.utc)
+                lambda d: d.replace(tzinfo=UTC)
             )
         ),
         "seed": draw(st.none() | st.integers(-(2**63), 2**63 - 1)),

@@ -3,7 +3,7 @@ from __future__ import annotations
 import json
 import pickle
 import uuid
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import lance
 import numpy as np
@@ -103,7 +103,7 @@ def test_append_fills_defaults(store):
         assert r["prompt_id"] == prompt_id_of(rows[i]["prompt_ids"])
         assert r["num_prompt_tokens"] == len(rows[i]["prompt_ids"])
         assert r["num_completion_tokens"] == len(rows[i]["completion_ids"])
-        assert abs(r["created_at"] - datetime.now(timezone.utc)) < timedelta(minutes=5)
+        assert abs(r["created_at"] - datetime.now(UTC)) < timedelta(minutes=5)
     assert len(set(t["group_id"].to_pylist())) == 5
     assert t["rollout_id"].to_pylist() == sorted(t["rollout_id"].to_pylist())
 
@@ -211,7 +211,7 @@ def test_evict_keep_last_keeps_the_most_recent(store):
 def test_evict_by_version_and_age(store):
     old = make_rows(5, policy_version=0)
     for r in old:
-        r["created_at"] = datetime(2020, 1, 1, tzinfo=timezone.utc)
+        r["created_at"] = datetime(2020, 1, 1, tzinfo=UTC)
     store.append(old)
     store.append(make_rows(5, seed=1, policy_version=1))
     store.append(make_rows(5, seed=2, policy_version=2))

@@ -1,0 +1,483 @@
+"""The learner: one optimizer step of an off-policy policy-gradient loss on a replay batch.
+
+``Learner.step(batch)`` takes one item of :class:`rolloutstore.replay.ReplayDataset` — a padded
+or packed batch dict, or the list of micro-batch dicts the loader yields when it was built with
+``micro_batch_tokens`` — and does, in order:
+
+1. split the batch into micro-batches of at most ``OptimConfig.micro_batch_tokens`` tokens
+   (a single dict only; padded batches split along sequences, packed ones along ``cu_seqlens``);
+2. per micro-batch: the model's per-token log-probs under the generator's sampling processing
+   (``temperature``, ``top_k``, ``top_p``) with :func:`trainer.logprobs.sequence_logprobs`, the
+   configured :func:`trainer.loss.policy_loss` normalised by the token / sequence count of the
+   *whole* step, and ``backward`` — so the accumulated gradient equals one big batch's;
+3. clip the global grad norm, AdamW step, LR schedule step, ``policy_version += 1``.
+
+Packed micro-batches are scored as one row (the model isolates the packed sequences through the
+restarting ``position_ids``) and the per-token results are then scattered into a per-sequence
+``(n, L-1)`` grid, so per-sequence quantities (``weights``, ``staleness``, GSPO's sequence ratio,
+the ``seq-mean-*`` aggregations) mean the same as for a padded batch.
+
+pi_prox (``decoupled``; ``tis`` / ``icepop`` use the same quantity) is the policy at the start of
+this optimizer step. The learner takes exactly one optimizer step per batch, so the weights of
+the gradient forward *are* pi_prox and its detached log-probs are exactly what a separate no-grad
+forward would return; the learner uses them instead of paying for a second forward.
+
+Usage::
+
+    learner = Learner(model, LossConfig(loss_type="ppo"), OptimConfig(lr=1e-6, total_steps=500))
+    ds = ReplayDataset(store, cfg, batch_size=64, learner_version=lambda s: learner.policy_version)
+    for batch in ds:
+        metrics = learner.step(batch)
+
+Tests: ``python -m pytest -q tests/trainer/test_learner.py``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from rolloutstore.replay.loader import micro_batches
+
+from .logprobs import packed_target_mask, sequence_logprobs
+from .loss import LossConfig, policy_loss
+
+__all__ = ["Learner", "OptimConfig"]
+
+LRSchedule = Literal["constant", "cosine"]
+LR_SCHEDULES = ("constant", "cosine")
+
+# Keys of a batch holding one value per sequence; everything else per token or scalar.
+_SEQ_KEYS = ("policy_version", "staleness", "weights", "rewards", "seq_advantages")
+_TOKEN_KEYS = ("input_ids", "attention_mask", "position_ids")
+_TARGET_KEYS = ("loss_mask", "behavior_logprobs", "advantages")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """AdamW, the LR schedule, gradient accumulation and memory options of the learner."""
+
+    lr: float = field(default=1e-6, metadata={"help": "peak learning rate"})
+    weight_decay: float = field(
+        default=0.0, metadata={"help": "AdamW decoupled weight decay (matrices only)"}
+    )
+    betas: tuple[float, float] = field(default=(0.9, 0.999), metadata={"help": "AdamW betas"})
+    eps: float = field(default=1e-8, metadata={"help": "AdamW epsilon"})
+    grad_clip: float | None = field(
+        default=1.0, metadata={"help": "max global grad norm (None: no clipping)"}
+    )
+    warmup_steps: int = field(default=0, metadata={"help": "linear warmup steps from lr/warmup"})
+    lr_schedule: LRSchedule = field(
+        default="constant", metadata={"help": "after warmup: constant, or cosine to min_lr_ratio"}
+    )
+    total_steps: int | None = field(
+        default=None, metadata={"help": "optimizer steps of the run (required for cosine)"}
+    )
+    min_lr_ratio: float = field(default=0.0, metadata={"help": "cosine floor as a fraction of lr"})
+    micro_batch_tokens: int | None = field(
+        default=None,
+        metadata={
+            "help": "split a single batch dict into micro-batches of at most this many tokens"
+        },
+    )
+    grad_checkpointing: bool = field(
+        default=False, metadata={"help": "recompute activations in backward (HF models)"}
+    )
+    seed: int = field(default=0, metadata={"help": "torch seed set at construction (dropout)"})
+
+    def __post_init__(self) -> None:
+        for name in ("lr", "weight_decay", "eps", "min_lr_ratio"):
+            value = getattr(self, name)
+            if not (isinstance(value, float | int) and math.isfinite(value)):
+                raise ValueError(f"OptimConfig.{name} must be a finite number, got {value!r}")
+        if not self.lr > 0:
+            raise ValueError(f"OptimConfig.lr must be > 0, got {self.lr!r}")
+        if self.weight_decay < 0:
+            raise ValueError(f"OptimConfig.weight_decay must be >= 0, got {self.weight_decay!r}")
+        if not self.eps > 0:
+            raise ValueError(f"OptimConfig.eps must be > 0, got {self.eps!r}")
+        betas = tuple(self.betas)
+        if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"OptimConfig.betas must be two values in [0, 1), got {self.betas!r}")
+        object.__setattr__(self, "betas", (float(betas[0]), float(betas[1])))
+        if self.grad_clip is not None and not (
+            math.isfinite(self.grad_clip) and self.grad_clip > 0
+        ):
+            raise ValueError(f"OptimConfig.grad_clip must be > 0 or None, got {self.grad_clip!r}")
+        if not _is_int(self.warmup_steps) or self.warmup_steps < 0:
+            raise ValueError(
+                f"OptimConfig.warmup_steps must be an int >= 0, got {self.warmup_steps!r}"
+            )
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(
+                f"OptimConfig.lr_schedule must be one of {LR_SCHEDULES}, got {self.lr_schedule!r}"
+            )
+        if self.total_steps is not None and (not _is_int(self.total_steps) or self.total_steps < 1):
+            raise ValueError(
+                f"OptimConfig.total_steps must be a positive int or None, got {self.total_steps!r}"
+            )
+        if self.lr_schedule == "cosine" and self.total_steps is None:
+            raise ValueError("OptimConfig.lr_schedule='cosine' requires total_steps, got None")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(
+                f"OptimConfig.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}"
+            )
+        mbt = self.micro_batch_tokens
+        if mbt is not None and (not _is_int(mbt) or mbt < 1):
+            raise ValueError(f"OptimConfig.micro_batch_tokens must be a positive int, got {mbt!r}")
+        if not _is_int(self.seed):
+            raise ValueError(f"OptimConfig.seed must be an int, got {self.seed!r}")
+
+    def lr_factor(self, step: int) -> float:
+        """Multiplier of ``lr`` at optimizer step ``step`` (0-based)."""
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        if self.lr_schedule == "constant":
+            return 1.0
+        assert self.total_steps is not None
+        decay_steps = max(1, self.total_steps - self.warmup_steps)
+        progress = min(1.0, (step - self.warmup_steps) / decay_steps)
+        cos = 0.5 * (1.0 + math.cos(math.pi * progress))
+        return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * cos
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int | np.integer) and not isinstance(value, bool)
+
+
+# -- batch plumbing ------------------------------------------------------------------------
+
+
+def _is_packed(batch: dict[str, Any]) -> bool:
+    return "cu_seqlens" in batch
+
+
+def _num_sequences(batch: dict[str, Any]) -> int:
+    return len(batch["weights"])
+
+
+def _split_padded(batch: dict[str, Any], max_tokens: int) -> list[dict[str, Any]]:
+    """Micro-batches of whole sequences, each trimmed to its own longest sequence."""
+    lengths = batch["attention_mask"].sum(dim=1).cpu().numpy()
+    out = []
+    for idx in micro_batches(lengths, max_tokens):
+        width = int(lengths[idx].max())
+        ix = torch.from_numpy(idx)
+        mb = {k: batch[k][ix, :width] for k in _TOKEN_KEYS}
+        mb.update({k: batch[k][ix, : width - 1] for k in _TARGET_KEYS})
+        mb.update({k: batch[k][ix] for k in _SEQ_KEYS if k in batch})
+        out.append(mb)
+    return out
+
+
+def _split_packed(batch: dict[str, Any], max_tokens: int) -> list[dict[str, Any]]:
+    """Micro-batches of consecutive packed sequences, cut at ``cu_seqlens`` boundaries."""
+    cu = batch["cu_seqlens"].long().cpu().numpy()
+    out = []
+    for idx in micro_batches(np.diff(cu), max_tokens):
+        i, j = int(idx[0]), int(idx[-1]) + 1  # sequences i..j-1, tokens cu[i]..cu[j]-1
+        a, b = int(cu[i]), int(cu[j])
+        mb = {k: batch[k][:, a:b] for k in _TOKEN_KEYS}
+        # Target column t scores token t+1: tokens a..b-1 are scored by columns a-1..b-2, and
+        # column a-1 (scoring sequence i's first token from the previous one) is masked anyway.
+        mb.update({k: batch[k][:, a : b - 1] for k in _TARGET_KEYS})
+        mb.update({k: batch[k][i:j] for k in _SEQ_KEYS if k in batch})
+        mb["cu_seqlens"] = torch.from_numpy((cu[i : j + 1] - a).astype(np.int32))
+        out.append(mb)
+    return out
+
+
+def _unpack_index(cu_seqlens: Tensor) -> tuple[Tensor, Tensor]:
+    """``(n, L-1)`` indices into the packed target columns, and their validity.
+
+    Row ``i`` column ``j`` is packed column ``cu[i] + j``, the log-prob of sequence ``i``'s token
+    ``j + 1`` — the same layout as row ``i`` of the padded batch.
+    """
+    cu = cu_seqlens.long()
+    lengths = cu[1:] - cu[:-1]
+    width = max(int(lengths.max()) - 1, 1)
+    j = torch.arange(width, device=cu.device)
+    valid = j[None, :] < (lengths[:, None] - 1)
+    last = int(cu[-1]) - 2  # the last packed target column
+    index = torch.clamp(cu[:-1, None] + j[None, :], max=max(last, 0))
+    return index, valid
+
+
+# -- the learner ---------------------------------------------------------------------------
+
+
+class Learner:
+    """Owns the model, its AdamW optimizer and LR schedule, and the policy version.
+
+    Args:
+        model: a HuggingFace causal LM with ``model.model`` and a plain ``model.lm_head``.
+        loss_cfg: which policy loss (see :mod:`trainer.loss`).
+        optim_cfg: optimizer, schedule and micro-batching.
+        device: where the model and batches live; bf16 autocast is used on CUDA only.
+        temperature, top_k, top_p: the generator's sampling processing, so the learner's
+            log-probs are of the distribution the behaviour log-probs came from.
+        chunk_size: rows per LM-head chunk in the log-prob computation.
+        ref_model: frozen reference model for the k3 KL penalty (required when
+            ``loss_cfg.kl_coef > 0``).
+        compute_entropy: also compute per-token entropies (always on when
+            ``loss_cfg.entropy_coef > 0``) and report their mean.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        loss_cfg: LossConfig,
+        optim_cfg: OptimConfig,
+        *,
+        device: str | torch.device = "cpu",
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        chunk_size: int = 1024,
+        ref_model: Any | None = None,
+        compute_entropy: bool = False,
+    ):
+        if not temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {temperature!r}")
+        if loss_cfg.kl_coef > 0 and ref_model is None:
+            raise ValueError(f"loss_cfg.kl_coef={loss_cfg.kl_coef} requires ref_model")
+        self.loss_cfg = loss_cfg
+        self.optim_cfg = optim_cfg
+        self.device = torch.device(device)
+        self.temperature = float(temperature)
+        self.top_k, self.top_p, self.chunk_size = top_k, top_p, chunk_size
+        self.compute_entropy = compute_entropy or loss_cfg.entropy_coef > 0
+        self.policy_version = 0
+        self.steps_done = 0
+
+        torch.manual_seed(optim_cfg.seed)
+        self.model = model.to(self.device)
+        self.model.train()
+        if optim_cfg.grad_checkpointing:
+            # Non-reentrant checkpointing works with inputs that do not require grad.
+            # transformers >= 5.x renamed the API; the old name warns there.
+            if hasattr(self.model, "activation_checkpointing_enable"):
+                self.model.activation_checkpointing_enable(
+                    activation_checkpointing_kwargs={"use_reentrant": False}
+                )
+            else:
+                self.model.gradient_checkpointing_enable(
+                    gradient_checkpointing_kwargs={"use_reentrant": False}
+                )
+        self.ref_model = ref_model.to(self.device).eval() if ref_model is not None else None
+
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        # Weight decay on matrices only: decaying norms' gains and biases towards 0 only hurts.
+        decay = [p for p in params if p.dim() >= 2]
+        no_decay = [p for p in params if p.dim() < 2]
+        self.params = params
+        self.optimizer = torch.optim.AdamW(
+            [
+                {"params": decay, "weight_decay": optim_cfg.weight_decay},
+                {"params": no_decay, "weight_decay": 0.0},
+            ],
+            lr=optim_cfg.lr,
+            betas=optim_cfg.betas,
+            eps=optim_cfg.eps,
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, optim_cfg.lr_factor)
+
+    # -- public API ------------------------------------------------------------------------
+    def step(self, batch: dict[str, Any] | list[dict[str, Any]]) -> dict[str, float]:
+        """One optimizer step on one replay item; returns plain-float metrics.
+
+        Metrics: ``loss`` and every :class:`trainer.loss.LossOutput` diagnostic (token-weighted
+        means over micro-batches; ``is_weight_max`` their max; ``ess_frac`` is the
+        token-weighted mean of the micro-batches' ESS fractions), ``grad_norm`` (before
+        clipping), ``lr`` (used for this step), ``tokens`` (loss tokens), ``sequences``,
+        ``micro_batches``, ``policy_version`` (after the step), ``staleness`` (mean),
+        ``skipped`` (1 when the gradient was not finite and no update was made), ``seconds``.
+        """
+        t0 = time.perf_counter()
+        mbs, tokens, seqs = self._micro_batches(batch)
+        self.optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, float] = {}
+        weight_max = 0.0
+        staleness_sum = 0.0
+        for mb in mbs:
+            mb = self._to_device(mb)
+            out, n_tok = self._forward_backward(mb, tokens, seqs)
+            m = out.metrics()
+            weight_max = max(weight_max, m.pop("is_weight_max"))
+            m.pop("mean_staleness", None)
+            staleness_sum += float(mb["staleness"].double().sum())
+            for k, v in m.items():
+                # loss / pg_loss are already globally normalised: they add up to the step's.
+                w = 1.0 if k in ("loss", "pg_loss") else n_tok / max(tokens, 1)
+                sums[k] = sums.get(k, 0.0) + w * v
+
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            self.params, self.optim_cfg.grad_clip if self.optim_cfg.grad_clip else math.inf
+        )
+        grad_norm = float(grad_norm)
+        lr = self.optimizer.param_groups[0]["lr"]
+        skipped = not math.isfinite(grad_norm)
+        if skipped:
+            # A nan/inf gradient would poison AdamW's moments for good; drop the step instead.
+            self.optimizer.zero_grad(set_to_none=True)
+        else:
+            self.optimizer.step()
+            self.scheduler.step()
+            self.policy_version += 1
+            self.steps_done += 1
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # so `seconds` measures the work, not launches
+
+        sums["is_weight_max"] = weight_max
+        sums.update(
+            grad_norm=grad_norm,
+            lr=float(lr),
+            tokens=float(tokens),
+            sequences=float(seqs),
+            micro_batches=float(len(mbs)),
+            policy_version=float(self.policy_version),
+            staleness=staleness_sum / max(seqs, 1),
+            skipped=float(skipped),
+            seconds=time.perf_counter() - t0,
+        )
+        return sums
+
+    @torch.no_grad()
+    def sequence_logprobs(self, batch: dict[str, Any]) -> Tensor:
+        """Current ``(B, T-1)`` log-probs of a padded batch's target tokens (no grad)."""
+        b = self._to_device(batch)
+        with self._autocast():
+            return self._logprobs(self.model, b, entropy=False)[0]
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue bit-for-bit: weights, AdamW, schedule, version, RNG."""
+        state = {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "policy_version": self.policy_version,
+            "steps_done": self.steps_done,
+            "torch_rng": torch.get_rng_state(),
+        }
+        if self.device.type == "cuda":
+            state["cuda_rng"] = torch.cuda.get_rng_state(self.device)
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.policy_version = int(state["policy_version"])
+        self.steps_done = int(state["steps_done"])
+        torch.set_rng_state(state["torch_rng"])
+        if "cuda_rng" in state and self.device.type == "cuda":
+            torch.cuda.set_rng_state(state["cuda_rng"], self.device)
+
+    # -- internals -------------------------------------------------------------------------
+    def _micro_batches(
+        self, batch: dict[str, Any] | list[dict[str, Any]]
+    ) -> tuple[list[dict[str, Any]], int, int]:
+        """(micro-batches, loss tokens of the step, sequences of the step)."""
+        if isinstance(batch, dict):
+            mbs = [batch]
+            budget = self.optim_cfg.micro_batch_tokens
+            if budget is not None and int(batch["attention_mask"].sum()) > budget:
+                split = _split_packed if _is_packed(batch) else _split_padded
+                mbs = split(batch, budget)
+        else:
+            mbs = list(batch)
+            if not mbs:
+                raise ValueError("Learner.step got an empty list of micro-batches")
+        tokens = sum(int(self._target_mask(mb).sum()) for mb in mbs)
+        seqs = sum(_num_sequences(mb) for mb in mbs)
+        # The loader's totals win when present: a distributed caller may set them to the
+        # count over all ranks so that every rank normalises by the global batch.
+        first = mbs[0]
+        tokens = int(first.get("step_loss_tokens", tokens))
+        seqs = int(first.get("step_sequences", seqs))
+        return mbs, tokens, seqs
+
+    @staticmethod
+    def _target_mask(mb: dict[str, Any]) -> Tensor:
+        mask = mb["loss_mask"] > 0
+        if _is_packed(mb):
+            mask = mask & packed_target_mask(mb["position_ids"])
+        return mask
+
+    def _to_device(self, mb: dict[str, Any]) -> dict[str, Any]:
+        return {
+            k: v.to(self.device, non_blocking=True) if isinstance(v, Tensor) else v
+            for k, v in mb.items()
+        }
+
+    def _autocast(self):
+        if self.device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return nullcontext()
+
+    def _logprobs(self, model: Any, mb: dict[str, Any], entropy: bool):
+        """Per-token log-probs (and entropies) in the per-sequence ``(n, L-1)`` layout."""
+        packed = _is_packed(mb)
+        out = sequence_logprobs(
+            model,
+            mb["input_ids"],
+            # Packed rows rely on the restarting position ids for isolation (see logprobs.py).
+            attention_mask=None if packed else mb["attention_mask"],
+            position_ids=mb["position_ids"],
+            temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            chunk_size=self.chunk_size,
+            return_entropy=entropy,
+        )
+        logp, ent = out.logprobs, out.entropy
+        if packed:
+            index, _ = _unpack_index(mb["cu_seqlens"])
+            logp = logp[0][index]
+            ent = ent[0][index] if ent is not None else None
+        return logp, ent
+
+    def _targets(self, mb: dict[str, Any]) -> tuple[Tensor, Tensor, Tensor]:
+        """(mask, behaviour log-probs, advantages), all ``(n, L-1)``."""
+        mask = self._target_mask(mb)
+        blp, adv = mb["behavior_logprobs"], mb["advantages"]
+        if _is_packed(mb):
+            index, valid = _unpack_index(mb["cu_seqlens"])
+            mask = mask[0][index] & valid
+            blp, adv = blp[0][index], adv[0][index]
+        return mask, blp, adv
+
+    def _forward_backward(self, mb: dict[str, Any], tokens: int, seqs: int):
+        mask, blp, adv = self._targets(mb)
+        with self._autocast():
+            logp, ent = self._logprobs(self.model, mb, entropy=self.compute_entropy)
+            ref = None
+            if self.ref_model is not None:
+                with torch.no_grad():
+                    ref = self._logprobs(self.ref_model, mb, entropy=False)[0]
+        lt = self.loss_cfg.loss_type
+        # One optimizer step per batch: the current weights are pi_prox (module docstring).
+        prox = logp.detach() if lt in ("tis", "icepop", "decoupled") else None
+        out = policy_loss(
+            logp,
+            blp,
+            adv,
+            mask,
+            self.loss_cfg,
+            prox_logp=prox,
+            ref_logp=ref,
+            seq_weights=mb["weights"],
+            staleness=mb["staleness"],
+            entropy=ent,
+            num_tokens_global=float(max(tokens, 1)),
+            num_seqs_global=float(max(seqs, 1)),
+        )
+        out.loss.backward()
+        return out, int(mask.sum())
