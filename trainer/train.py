@@ -345,6 +345,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> T
                 sync_generator()
                 last_eval = evaluate(generator, task, cfg)
                 metrics.log("eval", step, {"reward": last_eval, **totals})
+                bar.write(f"step {step}: eval reward {last_eval:.3f} (start {first_eval:.3f})")
             if step % r.checkpoint_every == 0 or step == r.steps:
                 save_checkpoint(
                     run_dir,
