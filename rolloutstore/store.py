@@ -19,6 +19,7 @@ storage options) and reopens its datasets after a fork.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ from .validate import prepare
 
 ROLLOUTS = "rollouts.lance"
 USAGE = "usage.lance"
+USAGE_MAX_FRAGMENTS = 64
 
 
 @dataclass(frozen=True)
@@ -275,9 +277,15 @@ class RolloutStore:
             },
             schema=sch,
         )
-        lance.write_dataset(
+        ds = lance.write_dataset(
             table, _join(self.uri, USAGE), mode="append", storage_options=self.storage_options
         )
+        if len(ds.get_fragments()) > USAGE_MAX_FRAGMENTS:
+            # One small fragment per draw would make every commit and read of the log
+            # grow with the number of steps; merging keeps them constant. Rows are kept.
+            # If another process compacts concurrently, its result stands.
+            with contextlib.suppress(OSError):
+                ds.optimize.compact_files()
         return n
 
     # -- maintenance ---------------------------------------------------------------------

@@ -241,3 +241,15 @@ def test_compression_beats_parquet_zstd(tmp_path):
     s.append(table)
     pq.write_table(table, tmp_path / "p.parquet", compression="zstd")
     assert s.bytes_on_disk() < (tmp_path / "p.parquet").stat().st_size
+
+
+def test_usage_log_stays_compact_and_keeps_every_row(store):
+    from rolloutstore.store import USAGE_MAX_FRAGMENTS
+
+    store.append(make_rows(3))
+    ids = store.sql("SELECT rollout_id FROM rollouts")["rollout_id"].to_pylist()
+    for step in range(USAGE_MAX_FRAGMENTS + 5):
+        store.record_usage(ids, learner_step=step)
+    assert len(store._usage().get_fragments()) <= USAGE_MAX_FRAGMENTS
+    n = store.sql("SELECT count(*) AS n, count(DISTINCT learner_step) AS s FROM usage").to_pylist()
+    assert n == [{"n": 3 * (USAGE_MAX_FRAGMENTS + 5), "s": USAGE_MAX_FRAGMENTS + 5}]
