@@ -1,7 +1,9 @@
 """``rolloutstore-train``: run, resume and inspect replay-RL training runs.
 
 rolloutstore-train train CONFIG.toml [--set run.steps=20 ...]
+rolloutstore-train train CONFIG.toml --set 'run.mode="async"' --actors 2
 rolloutstore-train resume RUN_DIR [--steps N]
+rolloutstore-train actor RUN_DIR [--actor-id K] [--learner-weights DIR]  # async; learner starts it
 python -m trainer train CONFIG.toml
 """
 
@@ -51,7 +53,15 @@ def cmd_train(a) -> None:
 
     data = tomllib.loads(Path(a.config).read_text())
     cfg = TrainConfig.from_dict(_apply_sets(data, a.set))
+    if a.actors is not None:
+        cfg = cfg.with_run(actors=a.actors)
     _summary(train(cfg, progress=not a.quiet))
+
+
+def cmd_actor(a) -> None:
+    from .async_train import run_actor
+
+    run_actor(a.run_dir, a.actor_id, weights_dir=a.learner_weights, rounds_ahead=a.rounds_ahead)
 
 
 def cmd_resume(a) -> None:
@@ -64,12 +74,22 @@ def cmd_resume(a) -> None:
     _summary(train(cfg, resume=True, progress=not a.quiet))
 
 
+def cmd_plot(a) -> None:
+    from .plot import plot_run
+
+    for path in plot_run(a.run_dir):
+        print(path)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="rolloutstore-train", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("train", help="start a run from a TOML config")
     p.add_argument("config")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    p.add_argument(
+        "--actors", type=int, default=None, metavar="N", help="async: actor processes (run.actors)"
+    )
     p.add_argument("-q", "--quiet", action="store_true")
     p.set_defaults(func=cmd_train)
     p = sub.add_parser("resume", help="continue a run from its newest checkpoint")
@@ -83,6 +103,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("-q", "--quiet", action="store_true")
     p.set_defaults(func=cmd_resume)
+    p = sub.add_parser("actor", help="async mode: one actor process (the learner starts them)")
+    p.add_argument("run_dir")
+    p.add_argument("--actor-id", type=int, default=0, metavar="K")
+    p.add_argument(
+        "--learner-weights", default=None, metavar="DIR", help="default: RUN_DIR/weights"
+    )
+    p.add_argument(
+        "--rounds-ahead",
+        type=int,
+        default=2,
+        metavar="N",
+        help="rounds per policy version before waiting for newer weights",
+    )
+    p.set_defaults(func=cmd_actor)
+    p = sub.add_parser("plot", help="PNGs of reward, entropy, staleness vs step and tokens")
+    p.add_argument("run_dir")
+    p.set_defaults(func=cmd_plot)
     return ap
 
 

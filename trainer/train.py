@@ -218,8 +218,10 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> T
 
     from .hf_generate import HFGenerator
 
-    if cfg.run.mode != "sync":
-        raise NotImplementedError("mode = 'async' is not implemented yet; use mode = 'sync'")
+    if cfg.run.mode == "async":
+        from .async_train import async_train
+
+        return async_train(cfg, resume=resume, progress=progress)
     run_dir = Path(cfg.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     meta = _run_meta(run_dir, cfg, resume)

@@ -158,8 +158,9 @@ class Selector:
         return learner_version - self.config.max_staleness
 
     def _stats(self, frag) -> _FragStats:
-        meta = frag.metadata
-        key = (frag.fragment_id, tuple(f.path for f in frag.data_files()), repr(meta.deletion_file))
+        # Fragment ids are never reused and our rows are never updated in place, so a
+        # fragment's content changes only through deletions.
+        key = (frag.fragment_id, frag.num_deletions)
         st = self._frag_stats.get(key)
         if st is None:
             t = frag.to_table(columns=["run_id", "policy_version"])
