@@ -89,7 +89,8 @@ def time_selection(store: RolloutStore, draws: int, done: int) -> tuple[dict, in
     return out, done
 
 
-def bench_loader(work: Path, rollouts: int, batches: int) -> dict:
+def bench_loader(work: Path, rollouts: int, batches: int, prefetch: int = 2) -> dict:
+    shutil.rmtree(work / "loader", ignore_errors=True)
     store = RolloutStore.open(work / "loader")
     store.append(proxy_batches(rollouts, seed=1, batch_rollouts=1024))
     store.compact()
@@ -98,6 +99,7 @@ def bench_loader(work: Path, rollouts: int, batches: int) -> dict:
     ds = ReplayDataset(
         store,
         ReplayConfig(seed=0),
+        prefetch=prefetch,
         max_tokens_per_batch=budget,
         pack=True,
         learner_version=100,
@@ -185,12 +187,15 @@ def main(argv=None) -> None:
         print(f"{name:<18}{cells}{last['after_append_ms'] / first['after_append_ms']:>8.2f}")
     print("(ratio: after-append latency, largest store / smallest store)")
 
-    lo = bench_loader(work, args.loader_rollouts, args.loader_batches)
-    result["loader"] = lo
-    print(
-        f"\nloader (packed, 64k-token batches): {lo['loader_tok_s'] / 1e6:.2f} M tokens/s; "
-        f"in-memory baseline {lo['memory_tok_s'] / 1e6:.2f} M tokens/s; ratio {lo['ratio']:.2f}"
-    )
+    result["loader"] = {}
+    for prefetch in (2, 0):
+        lo = bench_loader(work, args.loader_rollouts, args.loader_batches, prefetch=prefetch)
+        result["loader"][f"prefetch={prefetch}"] = lo
+        print(
+            f"loader (packed, 64k-token batches, prefetch={prefetch}): "
+            f"{lo['loader_tok_s'] / 1e6:.2f} M tokens/s; in-memory baseline "
+            f"{lo['memory_tok_s'] / 1e6:.2f} M tokens/s; ratio {lo['ratio']:.2f}"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     if not args.workdir:

@@ -87,25 +87,27 @@ def collate(rows: pa.Table, sel: Selection, idx: np.ndarray, *, pack: bool) -> d
         np.cumsum(lengths[:-1], out=starts[1:])
     else:
         starts = np.arange(n, dtype=np.int64) * width
-    p_seq, p_pos = _segment_index(p_len)
-    c_seq, c_pos = _segment_index(c_len)
-    p_dst = starts[p_seq] + p_pos
-    c_dst = starts[c_seq] + p_len[c_seq] + c_pos
+    # Each sequence's tokens are contiguous in the flat values and at its destination, so
+    # a destination is the value's position plus one shift per sequence (one np.repeat).
+    p_start, c_start = p_off[:-1] - p_off[0], c_off[:-1] - c_off[0]
+    p_dst = np.arange(len(p_vals)) + np.repeat(starts - p_start, p_len)
+    c_shift = starts + p_len - c_start
+    c_dst = np.arange(len(c_vals)) + np.repeat(c_shift, c_len)
     rows_out = 1 if pack else n
     input_ids = np.zeros(rows_out * width, np.int64)
     input_ids[p_dst] = p_vals
     input_ids[c_dst] = c_vals
-    # Targets: column t scores token t+1, so a completion token at column c sits at c-1.
-    # The (rows, width) grid's flat index c_dst - 1 maps to row r, column c-1 of a
-    # (rows, width - 1) grid at c_dst - 1 - r.
-    t_dst = c_dst - 1 - (0 if pack else c_seq)
+    # Targets: column t scores token t+1, so a completion token at column c sits at c-1;
+    # in the (rows, width - 1) target grid, row r's flat offset is r * (width - 1).
+    t_shift = c_shift - 1 - (0 if pack else np.arange(n))
+    t_dst = np.arange(len(c_vals)) + np.repeat(t_shift, c_len)
     size = rows_out * (width - 1)
     loss_mask = np.zeros(size, np.float32)
     blp = np.zeros(size, np.float32)
     adv_tok = np.zeros(size, np.float32)
     loss_mask[t_dst] = 1.0
     blp[t_dst] = l_vals
-    adv_tok[t_dst] = adv[c_seq]
+    adv_tok[t_dst] = np.repeat(adv, c_len)
     shape, tshape = (rows_out, width), (rows_out, width - 1)
     out: dict[str, Any] = {
         "input_ids": torch.from_numpy(input_ids.reshape(shape)),

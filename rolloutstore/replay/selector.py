@@ -101,6 +101,7 @@ class Selector:
         self._con = None
         self._con_pid = None
         self._buf_cache: tuple | None = None
+        self._codes_cache: tuple | None = None
         self._usage_seen: set[int] = set()
         self._others: dict[str, set] = {}
         self._last_sql: str | None = None
@@ -121,6 +122,7 @@ class Selector:
         state = self.__dict__.copy()
         state["_con"] = None
         state["_buf_cache"] = None
+        state["_codes_cache"] = None
         return state
 
     # -- state -------------------------------------------------------------------------
@@ -355,7 +357,11 @@ class Selector:
             )
         rng = np.random.default_rng([self.config.seed, step])
         want = batch_size if batch_size is not None else cand.num_rows
-        idx, weights = _draw(cand, want, self.config, rng, self._embeddings)
+        if self._codes_cache is None or self._codes_cache[0] is not cand:
+            self._codes_cache = (cand, _codes(cand["prompt_id"]))
+        idx, weights = _draw(
+            cand, want, self.config, rng, self._embeddings, prompts=self._codes_cache[1]
+        )
         if max_tokens is not None:
             lengths = (
                 cand["num_prompt_tokens"].to_numpy().astype(np.int64)
@@ -405,25 +411,25 @@ def _gumbel_order(logp: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     return np.argsort(-keys, kind="stable")
 
 
-def _take_in_order(order, n, prompts, cap, taken_prompts) -> list[int]:
+def _take_in_order(order, n, prompts, cap, taken_prompts) -> np.ndarray:
+    """The first ``n`` of ``order``, skipping rows whose prompt already has ``cap`` picks."""
     if cap is None:
-        return [int(i) for i in order[:n]]
+        return np.asarray(order[:n], dtype=np.int64)
     out = []
     for i in order:
         if len(out) >= n:
             break
-        if cap is not None:
-            p = prompts[i]
-            if taken_prompts.get(p, 0) >= cap:
-                continue
-            taken_prompts[p] = taken_prompts.get(p, 0) + 1
+        p = prompts[i]
+        if taken_prompts.get(p, 0) >= cap:
+            continue
+        taken_prompts[p] = taken_prompts.get(p, 0) + 1
         out.append(int(i))
-    return out
+    return np.asarray(out, dtype=np.int64)
 
 
-def _draw(cand: pa.Table, batch_size: int, cfg: ReplayConfig, rng, embeddings):
+def _draw(cand: pa.Table, batch_size: int, cfg: ReplayConfig, rng, embeddings, prompts=None):
     n = cand.num_rows
-    prompts = _codes(cand["prompt_id"])
+    prompts = _codes(cand["prompt_id"]) if prompts is None else prompts
     reward = cand["reward"].to_numpy(zero_copy_only=False).astype(np.float64)
     adv = np.nan_to_num(cand["advantage"].to_numpy(zero_copy_only=False).astype(np.float64))
     if cfg.whole_groups:
@@ -439,7 +445,7 @@ def _draw(cand: pa.Table, batch_size: int, cfg: ReplayConfig, rng, embeddings):
         weights_all = weights_all / weights_all.max()
 
     taken: dict = {}
-    chosen: list[int] = []
+    chosen = np.zeros(0, np.int64)
     k_pos = int(round(cfg.positive_fraction * batch_size))
     if k_pos:
         # Candidates are newest first, so the first positives are the freshest.
@@ -449,9 +455,11 @@ def _draw(cand: pa.Table, batch_size: int, cfg: ReplayConfig, rng, embeddings):
             order = pool[_gumbel_order(np.zeros(len(pool)), rng)]
             if cfg.replacement:
                 order = rng.choice(pool, size=k_pos * 4)
-            chosen += _take_in_order(order, k_pos, prompts, cfg.per_prompt_cap, taken)
+            chosen = _take_in_order(order, k_pos, prompts, cfg.per_prompt_cap, taken)
     rest = batch_size - len(chosen)
-    remaining = np.setdiff1d(np.arange(n), chosen) if not cfg.replacement else np.arange(n)
+    remaining = np.arange(n)
+    if len(chosen) and not cfg.replacement:
+        remaining = np.setdiff1d(remaining, chosen)
 
     if cfg.diversity == "prompt":
         order = _prompt_round_robin(remaining, prompts, logp, rng)
@@ -464,11 +472,8 @@ def _draw(cand: pa.Table, batch_size: int, cfg: ReplayConfig, rng, embeddings):
         order = rng.choice(remaining, size=rest * 4 + 16, p=p)
     else:
         order = remaining[_gumbel_order(logp[remaining], rng)]
-    if cfg.replacement:
-        chosen += _take_in_order(order, rest, prompts, cfg.per_prompt_cap, taken)
-    else:
-        chosen += _take_in_order(order, rest, prompts, cfg.per_prompt_cap, taken)
-    idx = np.asarray(chosen, dtype=np.int64)
+    rest_idx = _take_in_order(order, rest, prompts, cfg.per_prompt_cap, taken)
+    idx = np.concatenate([chosen, rest_idx])
     w = np.ones(len(idx)) if not len(idx) else weights_all[idx]
     if k_pos:
         w[: min(k_pos, len(idx))] = 1.0
