@@ -93,12 +93,9 @@ def write_result(table: pa.Table, fmt: str, out: str | None) -> None:
 
 
 def _param(s: str):
-    for conv in (int, float):
-        try:
-            return conv(s)
-        except ValueError:
-            pass
-    return s
+    from .cliargs import parse_scalar
+
+    return parse_scalar(s)
 
 
 def cmd_init(a) -> None:

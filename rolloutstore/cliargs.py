@@ -8,7 +8,8 @@ import typing
 from typing import Any, Literal, get_args, get_origin
 
 
-def _parse_scalar(s: str) -> Any:
+def parse_scalar(s: str) -> Any:
+    """An int, else a float, else the string itself (for CLI parameter values)."""
     for conv in (int, float):
         try:
             return conv(s)
@@ -43,7 +44,7 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls, *, skip: tuple[str,
         elif get_origin(tp) is Literal:
             parser.add_argument(flag, choices=list(get_args(tp)), **kw)
         elif tp is tuple or get_origin(tp) is tuple:
-            parser.add_argument(flag, nargs="+", type=_parse_scalar, **kw)
+            parser.add_argument(flag, nargs="+", type=parse_scalar, **kw)
         elif tp in (int, float, str):
             parser.add_argument(flag, type=tp, **kw)
         else:

@@ -68,13 +68,21 @@ from .checkpoint import (
     latest_weights,
     load_checkpoint,
     publish_weights,
-    save_checkpoint,
 )
 from .config import TrainConfig
 from .generate import generate_rollouts
 from .learner import Learner
 from .tasks import get_task
-from .train import Metrics, TrainResult, _run_meta, evaluate, load_model, prepare_model, warm_start
+from .train import (
+    Metrics,
+    TrainResult,
+    _run_meta,
+    evaluate,
+    load_model,
+    prepare_model,
+    save_run_checkpoint,
+    warm_start,
+)
 
 PUBLISH_EVERY = 1  # learner steps between published weights
 POLL_SECONDS = 0.2  # sleep while waiting for rows (learner) or weights (actor)
@@ -292,21 +300,7 @@ def async_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True
                 metrics.log("eval", step, {"reward": last_eval, **totals})
                 bar.write(f"step {step}: eval reward {last_eval:.3f} (start {first_eval:.3f})")
             if step % r.checkpoint_every == 0 or step == r.steps:
-                save_checkpoint(
-                    run_dir,
-                    step,
-                    model=learner.model,
-                    trainer_state={"learner": learner.state_dict()},
-                    state={
-                        "policy_version": learner.policy_version,
-                        "loader": loader.state_dict(),
-                        "store_version": store.version,
-                        "totals": totals,
-                        "first_eval": first_eval,
-                        "config": cfg.to_dict(),
-                    },
-                    keep=r.keep_checkpoints,
-                )
+                save_run_checkpoint(run_dir, step, cfg, learner, loader, store, totals, first_eval)
     finally:
         bar.close()
         actors.stop()

@@ -182,6 +182,27 @@ def _jsonable(v):
     return str(v)
 
 
+def save_run_checkpoint(
+    run_dir: Path, step: int, cfg: TrainConfig, learner: Learner, loader, store, totals, first_eval
+) -> Path:
+    """Checkpoint everything a resume needs: learner state, loader position, store version."""
+    return save_checkpoint(
+        run_dir,
+        step,
+        model=learner.model,
+        trainer_state={"learner": learner.state_dict()},
+        state={
+            "policy_version": learner.policy_version,
+            "loader": loader.state_dict(),
+            "store_version": store.version,
+            "totals": totals,
+            "first_eval": first_eval,
+            "config": cfg.to_dict(),
+        },
+        keep=cfg.run.keep_checkpoints,
+    )
+
+
 # -- fault injection (tests only) ------------------------------------------------------------
 def _fault(where: str) -> None:
     """SIGKILL this process when ROLLOUTSTORE_FAULT names ``where`` (crash-safety tests)."""
@@ -349,21 +370,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> T
                 metrics.log("eval", step, {"reward": last_eval, **totals})
                 bar.write(f"step {step}: eval reward {last_eval:.3f} (start {first_eval:.3f})")
             if step % r.checkpoint_every == 0 or step == r.steps:
-                save_checkpoint(
-                    run_dir,
-                    step,
-                    model=learner.model,
-                    trainer_state={"learner": learner.state_dict()},
-                    state={
-                        "policy_version": learner.policy_version,
-                        "loader": loader.state_dict(),
-                        "store_version": store.version,
-                        "totals": totals,
-                        "first_eval": first_eval,
-                        "config": cfg.to_dict(),
-                    },
-                    keep=r.keep_checkpoints,
-                )
+                save_run_checkpoint(run_dir, step, cfg, learner, loader, store, totals, first_eval)
         publish_weights(
             run_dir / "weights", learner.policy_version, learner.model, template=model_dir
         )
