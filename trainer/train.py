@@ -203,6 +203,57 @@ def save_run_checkpoint(
     )
 
 
+def resolve_backend(name: str) -> str:
+    """``auto`` is vLLM when it is installed, else transformers."""
+    if name != "auto":
+        return name
+    import importlib.util
+
+    return "vllm" if importlib.util.find_spec("vllm") is not None else "hf"
+
+
+class LivePolicy:
+    """The sync loop's generator, kept at the learner's current weights.
+
+    transformers: one model, the learner's state dict copied in. vLLM: the weights
+    are published as a model folder and the engine restarted from it, then
+    verified against a teacher-forced recomputation (an in-place reload leaves
+    vLLM's repacked CPU layers stale, see shared/PLATFORM.md), so each new version
+    costs an engine start.
+    """
+
+    def __init__(self, backend: str, cfg: TrainConfig, model_dir: Path, run_dir: Path, run_id: str):
+        self.backend, self.cfg, self.model_dir, self.run_dir = backend, cfg, model_dir, run_dir
+        self.run_id = run_id
+        self.gen = None
+        self.version: int | None = None
+        if backend == "hf":
+            from .hf_generate import HFGenerator
+
+            self.gen = HFGenerator(model_dir, policy_version=0, policy_id=run_id)
+        else:
+            from .async_train import _VLLMPolicy
+
+            self.vllm = _VLLMPolicy(cfg, run_id, seed=cfg.run.seed)
+
+    def sync(self, learner: Learner):
+        v = learner.policy_version
+        if self.backend == "hf":
+            self.gen.model.load_state_dict(learner.model.state_dict())
+            self.gen.policy_version = v
+        elif self.version != v:
+            folder = publish_weights(
+                self.run_dir / "weights", v, learner.model, template=self.model_dir
+            )
+            self.gen = self.vllm.load(v, folder)
+        self.version = v
+        return self.gen
+
+    def close(self) -> None:
+        if self.backend != "hf":
+            self.vllm.close()
+
+
 # -- fault injection (tests only) ------------------------------------------------------------
 def _fault(where: str) -> None:
     """SIGKILL this process when ROLLOUTSTORE_FAULT names ``where`` (crash-safety tests)."""
@@ -237,8 +288,6 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> T
     """Run (or resume) the sync replay-RL loop described in the module docstring."""
     from tqdm.auto import tqdm
 
-    from .hf_generate import HFGenerator
-
     if cfg.run.mode == "async":
         from .async_train import async_train
 
@@ -251,8 +300,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> T
     task = get_task(cfg.task.name, **cfg.task.options)
     store = RolloutStore.open(run_dir / "store")
     g, r = cfg.generation, cfg.run
-    if g.backend == "vllm":
-        raise NotImplementedError("the vLLM backend in the training loop is not wired yet; use hf")
+    backend = resolve_backend(g.backend)
 
     model, tokenizer = load_model(model_dir)
     ckpt = latest_checkpoint(run_dir) if resume else None
@@ -288,15 +336,17 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> T
         loader.load_state_dict(state["loader"])
         step, totals, first_eval = state["step"], state["totals"], state.get("first_eval")
 
-    generator = HFGenerator(model_dir, policy_version=learner.policy_version, policy_id=run_id)
+    policy = LivePolicy(backend, cfg, model_dir, run_dir, run_id)
+    generator = None
     metrics = Metrics(run_dir)
 
     def sync_generator() -> None:
-        generator.model.load_state_dict(learner.model.state_dict())
-        generator.policy_version = learner.policy_version
+        nonlocal generator
+        generator = policy.sync(learner)
 
     if first_eval is None:
-        sync_generator()
+        if cfg.task.eval_prompts:
+            sync_generator()
         first_eval = evaluate(generator, task, cfg)
         metrics.log("eval", step, {"reward": first_eval, "generated_tokens": 0})
     it = iter(loader)
@@ -365,7 +415,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> T
             bar.update(1)
             bar.set_postfix(reward=f"{m['reward']:.2f}", loss=f"{m['loss']:.3f}")
             if (r.eval_every and step % r.eval_every == 0) or step == r.steps:
-                sync_generator()
+                if cfg.task.eval_prompts:
+                    sync_generator()
                 last_eval = evaluate(generator, task, cfg)
                 metrics.log("eval", step, {"reward": last_eval, **totals})
                 bar.write(f"step {step}: eval reward {last_eval:.3f} (start {first_eval:.3f})")
@@ -377,4 +428,5 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> T
     finally:
         bar.close()
         metrics.close()
+        policy.close()
     return TrainResult(run_dir, run_dir / "store", step, first_eval, last_eval)
