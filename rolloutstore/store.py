@@ -43,6 +43,7 @@ from .validate import prepare
 ROLLOUTS = "rollouts.lance"
 USAGE = "usage.lance"
 USAGE_MAX_FRAGMENTS = 64
+LINEAGE = "lineage.lance"
 
 
 @dataclass(frozen=True)
@@ -381,10 +382,39 @@ class RolloutStore:
 
     # -- reading -------------------------------------------------------------------------
     def connect(self):
-        """A locked-down DuckDB connection with views ``rollouts``, ``usage`` and ``groups``."""
+        """A locked-down DuckDB connection with views ``rollouts``, ``usage``, ``groups``
+        and ``lineage``."""
         from .sql import connect
 
-        return connect({"rollouts": self._rollouts(), "usage": self._usage()})
+        return connect(
+            {"rollouts": self._rollouts(), "usage": self._usage(), "lineage": self._lineage()}
+        )
+
+    def _lineage(self) -> lance.LanceDataset | pa.Table:
+        target = _join(self.uri, LINEAGE)
+        if _exists(target, self.storage_options):
+            return lance.dataset(target, storage_options=self.storage_options)
+        return S.table_schema("lineage").empty_table()  # stores from before lineage
+
+    def record_lineage(
+        self, run_id: str, policy_version: int, parent_run: str | None, parent_version: int | None
+    ) -> None:
+        """Record that ``run_id`` at ``policy_version`` continues from ``parent_run`` at
+        ``parent_version``, which defines staleness across runs."""
+        sch = S.table_schema("lineage")
+        table = pa.table(
+            {
+                "run_id": [run_id],
+                "policy_version": pa.array([policy_version], pa.int64()),
+                "parent_run": [parent_run],
+                "parent_version": pa.array([parent_version], pa.int64()),
+                "at": pa.array([datetime.now(UTC)], sch.field("at").type),
+            },
+            schema=sch,
+        )
+        target = _join(self.uri, LINEAGE)
+        mode = "append" if _exists(target, self.storage_options) else "create"
+        lance.write_dataset(table, target, mode=mode, storage_options=self.storage_options)
 
     def sql(self, query: str, params: Sequence | dict | None = None) -> pa.Table:
         """Run a parameterized DuckDB query over the store's views; returns an Arrow table."""

@@ -100,6 +100,7 @@ class RunConfig:
     warm_start_lr: float = _h("learning rate of the warm start", 1e-3)
     eval_every: int = _h("learner steps between evaluations (0: only at the end)", 10)
     id_time_ms: int = _h("time field of rollout ids, ms since epoch (0: the run's start)", 0)
+    sources: tuple[str, ...] = _h("earlier run (or store) folders whose rollouts are replayed", ())
 
     def __post_init__(self) -> None:
         if self.mode not in typing.get_args(Mode):

@@ -123,7 +123,7 @@ def warm_start(
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return losses
 
 
@@ -303,6 +303,17 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> T
     backend = resolve_backend(g.backend)
 
     model, tokenizer = load_model(model_dir)
+    if r.sources:
+        from .reuse import import_sources
+        from .tiny import tokenizer_fingerprint
+
+        for imp in import_sources(
+            store, r.sources, run_id=run_id, fingerprint=tokenizer_fingerprint(tokenizer)
+        ):
+            print(
+                f"replaying {imp['rollouts']} rollouts of run {imp['run_id']!r} from "
+                f"{imp['source']} (its version {imp['parent_version']} -> this run's -1)"
+            )
     ckpt = latest_checkpoint(run_dir) if resume else None
     if ckpt is None and r.warm_start_steps:
         warm_start(
@@ -408,6 +419,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> T
                     int(k): int(v) for k, v in zip(*np.unique(stale, return_counts=True))
                 },
                 store_version=int(batch["store_version"]),
+                from_earlier_runs=float(np.mean([x != run_id for x in batch["run_ids"]])),
                 **totals,
             )
             metrics.log("train", step, m)

@@ -14,7 +14,7 @@ Batch layout (padded, ``pack=False``), right-padded to the longest sequence::
     loss_mask, behavior_logprobs, advantages     (B, T-1) float32, aligned with
         trainer.logprobs.sequence_logprobs: column t scores input_ids[:, t+1]
     policy_version, staleness, weights, rewards  (B,)
-    rollout_ids                                   list[str]
+    rollout_ids, run_ids                          list[str]
 
 Packed (``pack=True``): the same keys with B = 1 over the concatenation, plus
 ``cu_seqlens`` (n+1,) int32 and ``position_ids`` restarting at 0 for each
@@ -136,6 +136,7 @@ def collate(rows: pa.Table, sel: Selection, idx: np.ndarray, *, pack: bool) -> d
         num_tokens=int(lengths.sum()),
         num_loss_tokens=int(c_len.sum()),
         rollout_ids=[sel.rollout_ids[i] for i in idx],
+        run_ids=[sel.run_ids[i] for i in idx],
         step=sel.step,
         learner_version=sel.learner_version,
         store_version=sel.store_version,

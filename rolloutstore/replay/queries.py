@@ -18,7 +18,7 @@ SCALAR_COLUMNS = [
 
 # What selection itself reads when no `where` names other columns.
 SELECT_COLUMNS = [
-    "rollout_id", "prompt_id", "group_id", "policy_version", "created_at", "reward",
+    "rollout_id", "run_id", "prompt_id", "group_id", "policy_version", "created_at", "reward",
     "advantage", "num_prompt_tokens", "num_completion_tokens",
 ]  # fmt: skip
 

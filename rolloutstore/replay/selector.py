@@ -52,6 +52,7 @@ class Selection:
     staleness: np.ndarray  # (B,) int64, learner_version - policy_version
     policy_version: np.ndarray  # (B,) int64
     prompt_ids: list[str] = field(repr=False)
+    run_ids: list[str] = field(default=None, repr=False)
     learner_version: int = 0
     store_version: int = 0
     step: int = 0
@@ -378,6 +379,7 @@ class Selector:
             staleness=(learner_version - pv).astype(np.int64),
             policy_version=pv,
             prompt_ids=pick["prompt_id"].to_pylist(),
+            run_ids=pick["run_id"].to_pylist(),
             learner_version=learner_version,
             store_version=store_version,
             step=step,
