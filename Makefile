@@ -44,8 +44,11 @@ format: $(STAMP)
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
+# The figures of docs/benchmarks.md (about 20 minutes on 2 cores).
 bench: $(STAMP)
 	$(PY) tools/bench_store.py
+	$(PY) tools/bench_replay.py
+	$(PY) tools/bench_generate.py
 
 clean:
 	rm -rf runs bench_out .pytest_cache .hypothesis
