@@ -31,6 +31,7 @@ import argparse
 import json
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -77,6 +78,7 @@ class GenerateSummary:
     tokens_per_s: float
     seconds: float
     store_version: int
+    store_wait_s: float = 0.0
 
     def line(self) -> str:
         """One human-readable closing line."""
@@ -244,7 +246,30 @@ def generate_rollouts(
             desc=f"generate[{backend if owned else type(gen).__name__}]",
             disable=not progress,
         )
-        with bar:
+        # Batch b is appended on a writer thread while batch b+1 generates (one append in
+        # flight, in order), so the store write costs generation almost no time.
+        pending = None
+        waited = 0.0
+
+        def finish(p) -> None:
+            nonlocal version, rollouts, tokens, reward_sum, waited
+            b, fut, rows = p
+            t0 = time.perf_counter()
+            version = fut.result().version
+            waited += time.perf_counter() - t0
+            if on_append is not None:
+                on_append(b)
+            rollouts += len(rows)
+            tokens += sum(len(r["completion_ids"]) for r in rows)
+            reward_sum += sum(r["reward"] for r in rows)
+            elapsed = time.perf_counter() - start
+            bar.update(len(rows))
+            bar.set_postfix(
+                reward=f"{reward_sum / rollouts:.3f}",
+                tok_s=f"{tokens / max(elapsed, 1e-9):.0f}",
+            )
+
+        with bar, ThreadPoolExecutor(max_workers=1, thread_name_prefix="store-append") as pool:
             for b, lo in enumerate(range(0, len(prompt_objs), batch_prompts)):
                 batch = prompt_objs[lo : lo + batch_prompts]
                 if id_namespace is not None:
@@ -274,19 +299,11 @@ def generate_rollouts(
                             f"{id_namespace}/b{b}/{k}", id_time_ms
                         )
                         row["group_id"] = f"{id_namespace}/b{b}/g{k // group_size}"
-                version = store.append(rows).version
-                if on_append is not None:
-                    on_append(b)
-                n_tok = sum(len(r["completion_ids"]) for r in rows)
-                rollouts += len(rows)
-                tokens += n_tok
-                reward_sum += sum(r["reward"] for r in rows)
-                elapsed = time.perf_counter() - start
-                bar.update(len(rows))
-                bar.set_postfix(
-                    reward=f"{reward_sum / rollouts:.3f}",
-                    tok_s=f"{tokens / max(elapsed, 1e-9):.0f}",
-                )
+                if pending is not None:
+                    finish(pending)
+                pending = (b, pool.submit(store.append, rows), rows)
+            if pending is not None:
+                finish(pending)
         seconds = time.perf_counter() - start
     finally:
         # Stopping an engine takes seconds; it is not part of the measured time.
@@ -299,6 +316,7 @@ def generate_rollouts(
         tokens_per_s=tokens / seconds if seconds > 0 else float("inf"),
         seconds=seconds,
         store_version=version,
+        store_wait_s=waited,
     )
 
 
