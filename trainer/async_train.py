@@ -60,18 +60,14 @@ import torch
 
 from rolloutstore import RolloutStore
 from rolloutstore.ids import deterministic_uuid7
-from rolloutstore.replay.loader import ReplayDataset
 from rolloutstore.replay.selector import EmptyBufferError, Selector
 
 from .checkpoint import (
-    latest_checkpoint,
     latest_weights,
-    load_checkpoint,
     publish_weights,
 )
 from .config import TrainConfig
 from .generate import generate_rollouts
-from .learner import Learner
 from .tasks import get_task
 from .train import (
     Metrics,
@@ -81,7 +77,7 @@ from .train import (
     load_model,
     prepare_model,
     save_run_checkpoint,
-    warm_start,
+    setup_learner,
 )
 
 PUBLISH_EVERY = 1  # learner steps between published weights
@@ -189,39 +185,14 @@ def async_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True
     model_dir = prepare_model(cfg, run_dir)
     task = get_task(cfg.task.name, **cfg.task.options)
     store = RolloutStore.open(run_dir / "store")
-    g, r = cfg.generation, cfg.run
+    r = cfg.run
 
-    model, tokenizer = load_model(model_dir)
-    ckpt = latest_checkpoint(run_dir) if resume else None
-    if ckpt is None and r.warm_start_steps:
-        warm_start(
-            model, tokenizer, task, steps=r.warm_start_steps, lr=r.warm_start_lr, seed=r.seed
-        )
-    learner = Learner(
-        model,
-        cfg.loss,
-        cfg.optim,
-        temperature=g.temperature,
-        top_k=g.top_k or None,
-        top_p=g.top_p if g.top_p < 1 else None,
-        compute_entropy=True,
-    )
-    loader = ReplayDataset(
-        store,
-        cfg.replay,
-        batch_size=r.batch_size,
-        run_id=run_id,
-        prefetch=0,  # the learner version must be read when each batch is drawn
-        learner_version=lambda _s: learner.policy_version,
-    )
+    learner, loader, state = setup_learner(cfg, run_dir, run_id, store, task, model_dir, resume)
     # A second selector only counts eligible rows (it records no usage, draws nothing).
     counter = Selector(store, cfg.replay, run_id=run_id, record_usage=False)
     step, totals = 0, {"train_seconds": 0.0, "wait_seconds": 0.0}
     first_eval = None
-    if ckpt is not None:
-        trainer_state, state = load_checkpoint(ckpt, learner.model)
-        learner.load_state_dict(trainer_state["learner"])
-        loader.load_state_dict(state["loader"])
+    if state is not None:
         step, first_eval = state["step"], state.get("first_eval")
         totals.update({k: v for k, v in state["totals"].items() if k in totals})
 

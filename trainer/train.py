@@ -254,6 +254,63 @@ class LivePolicy:
             self.vllm.close()
 
 
+def setup_learner(
+    cfg: TrainConfig,
+    run_dir: Path,
+    run_id: str,
+    store: RolloutStore,
+    task,
+    model_dir: Path,
+    resume: bool,
+) -> tuple[Learner, ReplayDataset, dict | None]:
+    """The learner and its replay loader, shared by the sync and async loops.
+
+    Imports ``[run].sources`` (idempotent), then either restores the newest checkpoint
+    (returned as its state dict) or warm-starts the fresh model.
+    """
+    g, r = cfg.generation, cfg.run
+    model, tokenizer = load_model(model_dir)
+    if r.sources:
+        from .reuse import import_sources
+        from .tiny import tokenizer_fingerprint
+
+        for imp in import_sources(
+            store, r.sources, run_id=run_id, fingerprint=tokenizer_fingerprint(tokenizer)
+        ):
+            print(
+                f"replaying {imp['rollouts']} rollouts of run {imp['run_id']!r} from "
+                f"{imp['source']} (its version {imp['parent_version']} -> this run's -1)"
+            )
+    ckpt = latest_checkpoint(run_dir) if resume else None
+    if ckpt is None and r.warm_start_steps:
+        warm_start(
+            model, tokenizer, task, steps=r.warm_start_steps, lr=r.warm_start_lr, seed=r.seed
+        )
+    learner = Learner(
+        model,
+        cfg.loss,
+        cfg.optim,
+        temperature=g.temperature,
+        top_k=g.top_k or None,
+        top_p=g.top_p if g.top_p < 1 else None,
+        compute_entropy=True,
+    )
+    loader = ReplayDataset(
+        store,
+        cfg.replay,
+        batch_size=r.batch_size,
+        run_id=run_id,
+        prefetch=0,  # the learner version must be read when each batch is drawn
+        learner_version=lambda _s: learner.policy_version,
+    )
+    if ckpt is None:
+        return learner, loader, None
+    trainer_state, state = load_checkpoint(ckpt, learner.model)
+    learner.load_state_dict(trainer_state["learner"])
+    loader.load_state_dict(state["loader"])
+    return learner, loader, state
+
+
 # -- fault injection (tests only) ------------------------------------------------------------
 def _fault(where: str) -> None:
     """SIGKILL this process when ROLLOUTSTORE_FAULT names ``where`` (crash-safety tests)."""
@@ -302,49 +359,13 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> T
     g, r = cfg.generation, cfg.run
     backend = resolve_backend(g.backend)
 
-    model, tokenizer = load_model(model_dir)
-    if r.sources:
-        from .reuse import import_sources
-        from .tiny import tokenizer_fingerprint
-
-        for imp in import_sources(
-            store, r.sources, run_id=run_id, fingerprint=tokenizer_fingerprint(tokenizer)
-        ):
-            print(
-                f"replaying {imp['rollouts']} rollouts of run {imp['run_id']!r} from "
-                f"{imp['source']} (its version {imp['parent_version']} -> this run's -1)"
-            )
-    ckpt = latest_checkpoint(run_dir) if resume else None
-    if ckpt is None and r.warm_start_steps:
-        warm_start(
-            model, tokenizer, task, steps=r.warm_start_steps, lr=r.warm_start_lr, seed=r.seed
-        )
-    learner = Learner(
-        model,
-        cfg.loss,
-        cfg.optim,
-        temperature=g.temperature,
-        top_k=g.top_k or None,
-        top_p=g.top_p if g.top_p < 1 else None,
-        compute_entropy=True,
-    )
-    loader = ReplayDataset(
-        store,
-        cfg.replay,
-        batch_size=r.batch_size,
-        run_id=run_id,
-        prefetch=0,
-        learner_version=lambda _s: learner.policy_version,
-    )
+    learner, loader, state = setup_learner(cfg, run_dir, run_id, store, task, model_dir, resume)
     step, totals = (
         0,
         {"generated_tokens": 0, "generated_rollouts": 0, "gen_seconds": 0.0, "train_seconds": 0.0},
     )
     first_eval = None
-    if ckpt is not None:
-        trainer_state, state = load_checkpoint(ckpt, learner.model)
-        learner.load_state_dict(trainer_state["learner"])
-        loader.load_state_dict(state["loader"])
+    if state is not None:
         step, totals, first_eval = state["step"], state["totals"], state.get("first_eval")
 
     policy = LivePolicy(backend, cfg, model_dir, run_dir, run_id)
