@@ -363,7 +363,7 @@ class _VLLMPolicy:
 
 def verify_logprobs(gen: Any, folder: Path, cfg: TrainConfig, prompts: int = 2) -> float:
     """Largest |generator log-prob - teacher-forced log-prob| on a few samples; raises if > tol."""
-    from .hf_generate import teacher_forced_logprobs
+    from .hf_generate import max_logprob_gap
 
     g = cfg.generation
     task = get_task(cfg.task.name, **cfg.task.options)
@@ -378,15 +378,7 @@ def verify_logprobs(gen: Any, folder: Path, cfg: TrainConfig, prompts: int = 2) 
         seed=0,
     )
     model, _ = load_model(folder)
-    gap = 0.0
-    with torch.no_grad():
-        for row in rows:
-            ref = teacher_forced_logprobs(
-                model, row["prompt_ids"], row["completion_ids"], g.temperature, g.top_p, g.top_k
-            )
-            got = torch.tensor(row["behavior_logprobs"], dtype=torch.float32)
-            if len(got):
-                gap = max(gap, float((got - ref).abs().max()))
+    gap = max_logprob_gap(model, rows)
     if not gap <= VERIFY_TOLERANCE:
         raise RuntimeError(
             f"generator log-probs differ from the teacher-forced ones of {folder} by {gap:.2e} "

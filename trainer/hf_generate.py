@@ -112,6 +112,32 @@ def teacher_forced_logprobs(
     return logp.gather(-1, completion.to(device)[:, None]).squeeze(-1).float()
 
 
+def max_logprob_gap(model: Any, rows: list[dict[str, Any]]) -> float:
+    """Largest |stored behaviour log-prob - teacher-forced log-prob| over generated ``rows``.
+
+    Recomputes each row under its own recorded temperature/top-p/top-k with ``model``;
+    this is the train/inference mismatch check (0 for a generator that holds ``model``).
+    """
+    worst = 0.0
+    with torch.no_grad():
+        for r in rows:
+            if not r["completion_ids"]:
+                continue
+            tf = teacher_forced_logprobs(
+                model,
+                r["prompt_ids"],
+                r["completion_ids"],
+                r["temperature"],
+                r["top_p"],
+                r["top_k"],
+            )
+            if tf.shape != (len(r["completion_ids"]),):
+                raise ValueError(f"teacher-forced shape {tuple(tf.shape)} != completion length")
+            gap = (tf - torch.tensor(r["behavior_logprobs"], dtype=torch.float32)).abs().max()
+            worst = max(worst, float(gap))
+    return worst
+
+
 class HFGenerator:
     """Batched sampling with transformers, returning store-ready rollout dicts.
 

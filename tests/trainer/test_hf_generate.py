@@ -17,7 +17,12 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from trainer.hf_generate import HFGenerator, process_logits, teacher_forced_logprobs
+from trainer.hf_generate import (
+    HFGenerator,
+    max_logprob_gap,
+    process_logits,
+    teacher_forced_logprobs,
+)
 from trainer.tiny import make_tiny_model, tokenizer_fingerprint
 
 PROMPTS = ["Compute 1+2. Answer:", "Compute 37+45*2. Answer:"]
@@ -53,24 +58,6 @@ def gen(tiny: Path) -> HFGenerator:
     return HFGenerator(tiny, policy_version=7, policy_id="run-a")
 
 
-def _max_teacher_forced_diff(gen: HFGenerator, rollouts: list[dict]) -> float:
-    worst = 0.0
-    with torch.no_grad():
-        for r in rollouts:
-            tf = teacher_forced_logprobs(
-                gen.model,
-                r["prompt_ids"],
-                r["completion_ids"],
-                r["temperature"],
-                r["top_p"],
-                r["top_k"],
-            )
-            assert tf.shape == (len(r["completion_ids"]),)
-            diff = (tf - torch.tensor(r["behavior_logprobs"])).abs().max().item()
-            worst = max(worst, diff)
-    return worst
-
-
 @pytest.mark.parametrize(
     ("temperature", "top_p", "top_k"),
     [(1.0, 1.0, 0), (0.7, 1.0, 0), (1.0, 0.9, 0), (0.8, 0.9, 40)],
@@ -85,7 +72,7 @@ def test_behavior_logprobs_match_teacher_forcing(gen, temperature, top_p, top_k)
         max_tokens=24,
         seed=11,
     )
-    assert _max_teacher_forced_diff(gen, rollouts) < 1e-4
+    assert max_logprob_gap(gen.model, rollouts) < 1e-4
 
 
 def test_logprobs_are_of_the_processed_distribution(gen) -> None:
@@ -182,7 +169,7 @@ def test_eos_truncates_and_marks_stop(tiny) -> None:
             assert len(ids) == 16 and eos not in ids
         assert "<|endoftext|>" not in r["completion_text"]
     assert len({len(r["completion_ids"]) for r in rollouts}) > 2
-    assert _max_teacher_forced_diff(gen, rollouts) < 1e-4
+    assert max_logprob_gap(gen.model, rollouts) < 1e-4
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,7 @@ import pytest
 import torch
 from helpers import require_vllm
 
-from trainer.hf_generate import HFGenerator, teacher_forced_logprobs
+from trainer.hf_generate import HFGenerator, max_logprob_gap, teacher_forced_logprobs
 from trainer.tiny import make_tiny_model, tokenizer_fingerprint
 from trainer.vllm_generate import VLLMGenerator, _import_vllm, prompt_seed
 
@@ -43,24 +43,6 @@ def gen(tiny: Path):
         yield g
 
 
-def _max_gap(model, rollouts: list[dict]) -> float:
-    worst = 0.0
-    with torch.no_grad():
-        for r in rollouts:
-            tf = teacher_forced_logprobs(
-                model,
-                r["prompt_ids"],
-                r["completion_ids"],
-                r["temperature"],
-                r["top_p"],
-                r["top_k"],
-            )
-            assert tf.shape == (len(r["completion_ids"]),)
-            gap = (tf - torch.tensor(r["behavior_logprobs"])).abs().max().item()
-            worst = max(worst, gap)
-    return worst
-
-
 @pytest.mark.parametrize(
     ("temperature", "top_p", "top_k"),
     [(1.0, 1.0, 0), (0.7, 1.0, 0), (1.0, 0.9, 0), (0.8, 0.9, 40)],
@@ -75,7 +57,7 @@ def test_behavior_logprobs_match_teacher_forcing(gen, hf, temperature, top_p, to
         max_tokens=24,
         seed=11,
     )
-    gap = _max_gap(hf.model, rollouts)
+    gap = max_logprob_gap(hf.model, rollouts)
     print(f"vLLM vs teacher-forced max |gap| at T={temperature} p={top_p} k={top_k}: {gap:.3g}")
     assert gap < TOLERANCE
 
