@@ -59,11 +59,3 @@ def lance_filter(cfg: ReplayConfig, lower_version: int | None) -> str | None:
         quoted = ", ".join("'" + r.replace("'", "''") + "'" for r in cfg.runs)
         parts.append(f"run_id IN ({quoted})")
     return " AND ".join(parts) or None
-
-
-# Uses of each rollout: other runs' rows, plus this run's at earlier steps. A use is a
-# distinct (run, step) so that re-recording a step after a resume does not count twice.
-USES_SQL = (
-    "SELECT rollout_id, count(DISTINCT (run_id, learner_step)) AS n FROM usage "
-    "WHERE run_id <> ? OR learner_step < ? GROUP BY rollout_id"
-)

@@ -32,7 +32,6 @@ from .queries import (
     SCALAR_COLUMNS,
     SELECT_COLUMNS,
     USES_FILTER_SQL,
-    USES_SQL,
     lance_filter,
     window_sql,
 )
@@ -151,7 +150,9 @@ class Selector:
         return (
             f"-- Lance scan of the fragments that can hold the window, columns: "
             f"{', '.join(SCALAR_COLUMNS)}\n-- pushed-down filter: {scan}\n"
-            f"-- cand = scanned rows; uses = per-rollout use counts ({USES_SQL})\n{sql}"
+            "-- cand = the scanned rows; uses = per rollout, this run's draws at earlier steps\n"
+            "-- (counted in memory) plus other runs' distinct (run, step) uses from the usage log\n"
+            f"{sql}"
         )
 
     # -- candidates --------------------------------------------------------------------
