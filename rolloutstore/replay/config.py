@@ -44,6 +44,13 @@ class ReplayConfig:
     )
     positive_threshold: float = _help("reward above which a rollout counts as positive", 0.0)
     positive_pool: int = _help("how many freshest positives form the positive pool", 1024)
+    fresh_fraction: float = _help(
+        "share of each batch drawn from the newest policy version(s) in the buffer", 0.0
+    )
+    fresh_versions: int = _help("how many newest policy versions count as fresh", 1)
+    reward_version: int | None = _help(
+        "re-scoring to read rewards/advantages from (None: each rollout's newest)", None
+    )
     priority: Priority = _help("uniform, or advantage: P ~ |A|^alpha", "uniform")
     alpha: float = _help("priority exponent for priority=advantage", 1.0)
     beta: float = _help("importance-weight exponent: w ~ (N P)^-beta, normalised by max", 0.4)
@@ -69,6 +76,20 @@ class ReplayConfig:
         if not 0.0 <= self.positive_fraction <= 1.0:
             raise ValueError(
                 f"ReplayConfig.positive_fraction must be in [0, 1], got {self.positive_fraction}"
+            )
+        if not 0.0 <= self.fresh_fraction <= 1.0:
+            raise ValueError(
+                f"ReplayConfig.fresh_fraction must be in [0, 1], got {self.fresh_fraction}"
+            )
+        if not isinstance(self.fresh_versions, int) or self.fresh_versions < 1:
+            raise ValueError(
+                f"ReplayConfig.fresh_versions must be a positive int, got {self.fresh_versions!r}"
+            )
+        if self.reward_version is not None and (
+            not isinstance(self.reward_version, int) or self.reward_version < 0
+        ):
+            raise ValueError(
+                f"ReplayConfig.reward_version must be an int >= 0 or None, got {self.reward_version!r}"
             )
         if self.priority not in PRIORITIES:
             raise ValueError(
