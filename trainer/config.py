@@ -91,6 +91,10 @@ class RunConfig:
     steps: int = _h("learner (optimizer) steps in total", 40)
     updates_per_round: int = _h("learner steps per generation round (sets the replay ratio)", 2)
     batch_size: int = _h("rollouts per learner step", 64)
+    max_tokens_per_batch: int = _h(
+        "also cap each learner step at this many tokens (0: no cap; long-context runs)", 0
+    )
+    pack: bool = _h("pack sequences into one row with cu_seqlens (no padding)", False)
     checkpoint_every: int = _h("learner steps between checkpoints", 10)
     keep_checkpoints: int = _h("checkpoints kept", 3)
     mode: Mode = _h("sync: one process alternates; async: actors and a learner", "sync")
@@ -108,7 +112,9 @@ class RunConfig:
         for name in ("steps", "updates_per_round", "batch_size", "checkpoint_every", "actors"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("keep_checkpoints", "min_rows", "warm_start_steps", "eval_every"):
+        for name in (
+            "keep_checkpoints", "min_rows", "warm_start_steps", "eval_every", "max_tokens_per_batch"
+        ):  # fmt: skip
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 

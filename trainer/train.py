@@ -299,6 +299,8 @@ def setup_learner(
         store,
         cfg.replay,
         batch_size=r.batch_size,
+        max_tokens_per_batch=r.max_tokens_per_batch or None,
+        pack=r.pack,
         run_id=run_id,
         prefetch=0,  # the learner version must be read when each batch is drawn
         learner_version=lambda _s: learner.policy_version,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -44,6 +45,52 @@ checkpoint_every = 2
 warm_start_steps = 3
 eval_every = 0
 """
+
+
+# Long context: ~1.5k-token prompts from a file task, packed batches capped by tokens and split
+# into micro-batches, so resume must restore the token-budget draws and micro-batch split too.
+LONG = """
+[model]
+num_layers = 1
+[task]
+name = "file"
+options = {{ path = "{long}", reward = "last_int" }}
+eval_prompts = 0
+[generation]
+group_size = 2
+max_tokens = 4
+prompts_per_round = 3
+batch_prompts = 3
+[replay]
+window = 64
+seed = 1
+[optim]
+lr = 1e-3
+micro_batch_tokens = 2048
+[run]
+dir = "{dir}"
+run_id = "resume-long"
+id_time_ms = 1700000000000
+steps = {steps}
+updates_per_round = 2
+batch_size = 8
+max_tokens_per_batch = 5000
+pack = true
+checkpoint_every = 2
+warm_start_steps = 1
+eval_every = 0
+"""
+
+
+def _long_prompts(path: Path, n: int = 12) -> None:
+    rng = random.Random(0)
+    with open(path, "w") as f:
+        for _ in range(n):
+            a, b = rng.randrange(10), rng.randrange(10)
+            notes = " ".join(
+                f"note {rng.randrange(1000)}: {rng.randrange(10**6)}" for _ in range(120)
+            )
+            f.write(json.dumps({"prompt": f"{notes}\nQ: {a}+{b} =", "answer": str(a + b)}) + "\n")
 
 
 def _cli(*args, fault: str | None = None, **kw) -> subprocess.Popen:
@@ -95,17 +142,25 @@ def test_config_errors_name_the_key(tmp_path):
 
 # Crash points: mid-round (round 2's first of two generation batches committed) and
 # between learner steps at a seeded random step that is not a checkpoint.
-FAULTS = ["generate:2:0", f"step:{random.Random(0).choice([3, 5, 7])}"]
+FAULTS = [
+    (SMALL, "generate:2:0"),
+    (SMALL, f"step:{random.Random(0).choice([3, 5, 7])}"),
+    (LONG, "step:3"),
+]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fault", FAULTS)
-def test_sigkill_and_resume_equal_the_uninterrupted_run(tmp_path, fault):
-    steps = 8
+@pytest.mark.parametrize(
+    "template,fault", FAULTS, ids=["mid-round", "between-steps", "long-context"]
+)
+def test_sigkill_and_resume_equal_the_uninterrupted_run(tmp_path, template, fault):
+    steps = 8 if template is SMALL else 4
     ref_dir, crash_dir = tmp_path / "ref", tmp_path / "crash"
+    _long_prompts(tmp_path / "long.jsonl")
     for d in (ref_dir, crash_dir):
         d.mkdir()
-        (d / "cfg.toml").write_text(SMALL.format(dir=d / "run", steps=steps))
+        cfg = template.format(dir=d / "run", steps=steps, long=tmp_path / "long.jsonl")
+        (d / "cfg.toml").write_text(cfg)
     ref = _cli("train", str(ref_dir / "cfg.toml"))
     out, err = ref.communicate(timeout=600)
     assert ref.returncode == 0, err
@@ -130,6 +185,11 @@ def test_sigkill_and_resume_equal_the_uninterrupted_run(tmp_path, fault):
         for d in (ref_dir, crash_dir)
     ]
     assert ids[0] == ids[1] and len(set(ids[1])) == len(ids[1])
+    if template is LONG:  # the long-context case really ran on long, token-capped batches
+        store = RolloutStore.open(crash_dir / "run" / "store")
+        assert store.sql("SELECT min(num_prompt_tokens) AS n FROM rollouts")["n"][0].as_py() > 1000
+        per_step = [len(v) for v in _draws(crash_dir / "run").values()]
+        assert max(per_step) < 8  # the 5000-token cap, not batch_size, bounded each step
 
 
 @pytest.mark.slow
