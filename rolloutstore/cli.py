@@ -7,6 +7,8 @@ rolloutstore stats STORE [--json]
 rolloutstore versions STORE
 rolloutstore compact STORE [--cleanup-older-than-hours H]
 rolloutstore evict STORE (--keep N | --older-than-hours H | --min-policy-version V)
+rolloutstore evict STORE --keep N --preserve-diversity [--reserve F] [--clusters K]
+rolloutstore rescore STORE --task NAME [--task-option K=V] [--where EXPR --param V]
 rolloutstore schema
 rolloutstore demo [RUN_DIR]
 """
@@ -225,10 +227,56 @@ def cmd_compact(a) -> None:
 
 
 def cmd_evict(a) -> None:
-    store = _store(a.store)
-    older = None if a.older_than_hours is None else timedelta(hours=a.older_than_hours)
-    r = store.evict(keep_last=a.keep, older_than=older, min_policy_version=a.min_policy_version)
+    import dataclasses
+
+    from .cliargs import dataclass_from_args
+    from .retention import RetentionConfig, format_report
+
+    options = sorted(f.name for f in dataclasses.fields(RetentionConfig) if f.name in vars(a))
+    if options and not a.preserve_diversity:
+        flags = ", ".join("--" + n.replace("_", "-") for n in options)
+        raise SystemExit(f"error: {flags} only apply with --preserve-diversity")
+    if a.preserve_diversity and a.keep is None:
+        raise SystemExit("error: --preserve-diversity needs --keep N (the rows to keep)")
+    try:
+        diverse = dataclass_from_args(RetentionConfig, a) if a.preserve_diversity else False
+        store = _store(a.store)
+        older = None if a.older_than_hours is None else timedelta(hours=a.older_than_hours)
+        r = store.evict(
+            keep_last=a.keep,
+            older_than=older,
+            min_policy_version=a.min_policy_version,
+            preserve_diversity=diverse,
+        )
+    except ValueError as exc:
+        if isinstance(exc, RolloutStoreError):
+            raise
+        raise SystemExit(f"error: {exc}") from exc
     print(f"evicted {r.rows_deleted} rollouts, {r.rows_left} left (store version {r.version})")
+    if r.coverage is not None:
+        print(format_report(r.coverage))
+
+
+def cmd_rescore(a) -> None:
+    from .rescore import RescoreError
+
+    options = {}
+    for opt in a.task_option:
+        key, sep, value = opt.partition("=")
+        if not sep or not key:
+            raise RescoreError(f"--task-option takes KEY=VALUE, got {opt!r}")
+        options[key.replace("-", "_")] = _param(value)
+    r = _store(a.store).rescore(
+        a.task,
+        task_options=options,
+        where=a.where,
+        params=[_param(p) for p in a.param],
+        from_task=a.from_task,
+        advantage_mode=a.advantage_mode,
+        note=a.note,
+        progress=not a.quiet,
+    )
+    print(r.line())
 
 
 def cmd_schema(a) -> None:
@@ -358,6 +406,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep", type=int, default=None, help="keep the N most recent rollouts")
     p.add_argument("--older-than-hours", type=float, default=None)
     p.add_argument("--min-policy-version", type=int, default=None)
+    p.add_argument(
+        "--preserve-diversity",
+        action="store_true",
+        help="with --keep: spend a reserved share of N on older rows of prompts, embedding "
+        "clusters and correct answers the newest rows miss; prints coverage vs FIFO",
+    )
+    from .retention import RetentionConfig
+
+    add_dataclass_args(p, RetentionConfig)
     p.set_defaults(func=cmd_evict)
 
     try:  # generation lives in the trainer package (transformers/torch, vLLM optional)
@@ -366,6 +423,26 @@ def build_parser() -> argparse.ArgumentParser:
         pass
     else:
         add_generate_parser(sub)
+
+    p = sub.add_parser(
+        "rescore", help="re-score stored rollouts under a new reward_version (tokens untouched)"
+    )
+    p.add_argument("store")
+    p.add_argument("--task", required=True, help="task whose verifier scores (arith, ...)")
+    p.add_argument("--task-option", action="append", default=[], metavar="K=V", help="task option")
+    p.add_argument(
+        "--from-task", default=None, help="rows' task column to re-score (default: --task)"
+    )
+    p.add_argument(
+        "--where",
+        default=None,
+        help="filter over rollouts_scored picking groups, e.g. 'reward > ?'",
+    )
+    p.add_argument("--param", action="append", default=[], help="value for the next ? in --where")
+    p.add_argument("--advantage-mode", choices=["grpo", "drgrpo"], default="grpo")
+    p.add_argument("--note", default=None, help="free-form note stored with the new version")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_rescore)
 
     p = sub.add_parser("schema", help="print the rollout schema")
     p.set_defaults(func=cmd_schema)

@@ -99,7 +99,7 @@ def rollout_schema(embedding_dim: int = DEFAULT_EMBEDDING_DIM) -> pa.Schema:
 
 
 def table_schema(name: str) -> pa.Schema:
-    """Arrow schema of an auxiliary table (``usage``) named in the schema file."""
+    """Arrow schema of an auxiliary table (``usage``, ``lineage``, ``rewards``) in the schema file."""
     cols = [ColumnSpec(**c) for c in spec()["tables"][name]]
     return _schema(cols, {META_VERSION: str(SCHEMA_VERSION).encode()}, 1)
 

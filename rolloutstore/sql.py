@@ -6,6 +6,12 @@ datasets with projection and filter pushdown) and defines the views
     rollouts   every rollout row
     usage      one row per (rollout_id, learner_step, run_id, at) use
     groups     per group: n, reward mean/std, min/max policy_version, tokens
+    rewards    re-scorings: one row per (rollout_id, reward_version >= 1), see rescore.py
+    rollouts_scored
+               ``rollouts`` with ``reward``, ``advantage`` and ``reward_info`` taken
+               from each rollout's newest re-scoring, plus ``reward_version`` (0: the
+               values it was written with). ``rollouts`` itself always shows version 0:
+               it is the raw log, and scanning it never pays for a join.
 
 It is safe by default: ``enable_external_access`` is off and the configuration is
 locked, so a query cannot read or write files outside the registered datasets,
@@ -42,6 +48,25 @@ GROUP BY group_id
 """
 
 
+# Each rollout's newest re-scoring (``reward_version`` is unique per rollout).
+REWARDS_NEWEST_SQL = (
+    "SELECT rollout_id, reward_version, reward, advantage, reward_info FROM rewards "
+    "{where} QUALIFY row_number() OVER (PARTITION BY rollout_id ORDER BY reward_version DESC) = 1"
+)
+
+SCORED_VIEW = f"""
+CREATE VIEW rollouts_scored AS
+WITH newest AS ({REWARDS_NEWEST_SQL.format(where="")})
+SELECT r.* REPLACE (
+         CASE WHEN n.reward_version IS NULL THEN r.reward ELSE n.reward END AS reward,
+         CASE WHEN n.reward_version IS NULL THEN r.advantage ELSE n.advantage END AS advantage,
+         CASE WHEN n.reward_version IS NULL THEN r.reward_info ELSE n.reward_info END
+           AS reward_info),
+       coalesce(n.reward_version, 0)::BIGINT AS reward_version
+FROM rollouts r LEFT JOIN newest n ON r.rollout_id = n.rollout_id
+"""
+
+
 def connect(datasets: Mapping[str, Any]) -> duckdb.DuckDBPyConnection:
     """A locked connection with each of ``datasets`` registered under its name."""
     con = duckdb.connect(
@@ -56,6 +81,8 @@ def connect(datasets: Mapping[str, Any]) -> duckdb.DuckDBPyConnection:
         con.register(name, ds)
     if "rollouts" in datasets:
         con.execute(GROUPS_VIEW)
+        if "rewards" in datasets:
+            con.execute(SCORED_VIEW)
     con.execute("SET lock_configuration = true")
     return con
 

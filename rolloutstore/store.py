@@ -4,6 +4,7 @@ Layout under the store URI (a local folder or any URI Lance accepts)::
 
     STORE/rollouts.lance   one row per completion (schema v1, compressed token columns)
     STORE/usage.lance      append-only (rollout_id, learner_step, run_id, at)
+    STORE/rewards.lance    append-only re-scorings (rollout_id, reward_version, reward, ...)
 
 Every append is one Lance commit: all rows of a batch become visible together or
 not at all, and concurrent appenders from several processes are serialised by
@@ -38,12 +39,14 @@ from .errors import (
     StoreNotFoundError,
     ValidationError,
 )
+from .retention import RetentionConfig, RetentionReport
 from .validate import prepare
 
 ROLLOUTS = "rollouts.lance"
 USAGE = "usage.lance"
 USAGE_MAX_FRAGMENTS = 64
 LINEAGE = "lineage.lance"
+REWARDS = "rewards.lance"
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,8 @@ class EvictResult:
     rows_deleted: int
     rows_left: int
     version: int
+    # Set by evict(preserve_diversity=...): coverage before/after, and what FIFO would keep.
+    coverage: RetentionReport | None = None
 
 
 def _join(root: str, name: str) -> str:
@@ -316,13 +321,18 @@ class RolloutStore:
         keep_last: int | None = None,
         older_than: timedelta | datetime | None = None,
         min_policy_version: int | None = None,
+        preserve_diversity: bool | RetentionConfig = False,
     ) -> EvictResult:
         """Delete rows by an explicit retention rule (sampling never deletes).
 
         ``keep_last``: keep the N most recent rollouts by (policy_version, created_at,
         rollout_id); ``older_than``: drop rows created before now - delta (or before a
         datetime); ``min_policy_version``: drop rows sampled by older policies.
-        Deletions are a new version; earlier versions stay readable until compaction
+        ``preserve_diversity`` (True or a :class:`~rolloutstore.retention.RetentionConfig`,
+        with ``keep_last``): still keep exactly N rows, but spend a reserved share of them on
+        older representatives of prompts, embedding clusters and correct answers the newest
+        rows miss; ``coverage`` of the result reports the gain over FIFO.
+        Deletions are one new version; earlier versions stay readable until compaction
         with cleanup.
         """
         self._check_writable()
@@ -341,6 +351,11 @@ class RolloutStore:
                 cutoff = cutoff.replace(tzinfo=UTC)
             stamp = cutoff.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S.%f")
             preds.append(f"created_at < TIMESTAMP '{stamp}'")
+        if preserve_diversity is not False:
+            before_ts = cutoff if older_than is not None else None
+            return self._evict_diverse(
+                ds, keep_last, preserve_diversity, before_ts, min_policy_version
+            )
         if keep_last is not None:
             if keep_last < 0:
                 raise ValueError(f"keep_last must be >= 0, got {keep_last}")
@@ -352,6 +367,30 @@ class RolloutStore:
         self._ds_cache = None
         after = self._rollouts()
         return EvictResult(before - after.count_rows(), after.count_rows(), after.version)
+
+    def _evict_diverse(self, ds, keep, config, before, min_policy_version) -> EvictResult:
+        from .retention import plan_retention, read_rows, rule_mask
+
+        if keep is None:
+            raise ValueError("evict(preserve_diversity=...) needs keep_last (the rows to keep)")
+        if not isinstance(keep, int) or keep < 0:
+            raise ValueError(f"keep_last must be an int >= 0, got {keep!r}")
+        if not isinstance(config, RetentionConfig):
+            if config is not True:
+                raise TypeError(
+                    "preserve_diversity must be True, False or a RetentionConfig, "
+                    f"got {type(config).__name__}"
+                )
+            config = RetentionConfig()
+        table = read_rows(ds)
+        dropped = rule_mask(table, before=before, min_policy_version=min_policy_version)
+        plan = plan_retention(table, keep, config, dropped=dropped)
+        if plan.delete is not None:
+            ds.delete(plan.delete)  # one filter, one commit
+        self._ds_cache = None
+        after = self._rollouts()
+        left = after.count_rows()
+        return EvictResult(table.num_rows - left, left, after.version, plan.report)
 
     @staticmethod
     def _keep_last_predicate(ds: lance.LanceDataset, keep: int) -> str | None:
@@ -382,13 +421,36 @@ class RolloutStore:
 
     # -- reading -------------------------------------------------------------------------
     def connect(self):
-        """A locked-down DuckDB connection with views ``rollouts``, ``usage``, ``groups``
-        and ``lineage``."""
+        """A locked-down DuckDB connection with views ``rollouts``, ``usage``, ``groups``,
+        ``lineage``, ``rewards`` and ``rollouts_scored``."""
         from .sql import connect
 
         return connect(
-            {"rollouts": self._rollouts(), "usage": self._usage(), "lineage": self._lineage()}
+            {
+                "rollouts": self._rollouts(),
+                "usage": self._usage(),
+                "lineage": self._lineage(),
+                "rewards": self._rewards(),
+            }
         )
+
+    def _rewards(self) -> lance.LanceDataset | pa.Table:
+        """The re-scorings table (latest version); empty until the first ``rescore``."""
+        target = _join(self.uri, REWARDS)
+        if _exists(target, self.storage_options):
+            return lance.dataset(target, storage_options=self.storage_options)
+        return S.table_schema("rewards").empty_table()
+
+    def rescore(self, task, **options: Any):
+        """Re-score stored rollouts with ``task``'s verifier under a new ``reward_version``.
+
+        Token columns are never rewritten; see :func:`rolloutstore.rescore.rescore` for
+        ``options`` (``task_options``, ``where``, ``params``, ``from_task``, ...). Returns
+        ``RescoreResult``.
+        """
+        from .rescore import rescore
+
+        return rescore(self, task, **options)
 
     def _lineage(self) -> lance.LanceDataset | pa.Table:
         target = _join(self.uri, LINEAGE)
@@ -458,8 +520,16 @@ class RolloutStore:
         return export(self, out, **options)
 
     def bytes_on_disk(self) -> int | None:
+        """Bytes of the rollouts dataset: a local folder walked in full (all versions); on an
+        object store, the data files of this version as its manifest records them (listing
+        a bucket prefix costs a request per 1,000 objects). None if a size is unrecorded."""
         if not _is_local(self.uri):
-            return None
+            sizes = [
+                f.file_size_bytes
+                for frag in self._rollouts().get_fragments()
+                for f in frag.metadata.files
+            ]
+            return None if any(s is None for s in sizes) else int(sum(sizes))
         root = self.uri.removeprefix("file://")
         total = 0
         for d, _, files in os.walk(os.path.join(root, ROLLOUTS)):

@@ -12,6 +12,13 @@ three configurations are trained with the sync loop of :func:`trainer.train.trai
   log-probs. Staleness is bounded by the window alone (1024 / 64 rounds = 32 learner steps).
 * ``replay_tis_div``: as ``replay`` with an off-policy correction (``--correction``, default
   ``tis``: truncated importance weights min(pi/mu, 2)) and ``diversity = "prompt"`` selection.
+* ``replay_control``: as ``replay`` (or ``replay_tis_div``, ``--control-base``) with the
+  replay-ratio controller on (``[replay.control]``, see ``trainer/control.py``): learner steps
+  per round y start at 2 and move in [1, 4] between rounds from the ESS fraction, clip
+  fraction, approx KL and reward trend of the last round (targets ``CONTROL`` below). Its
+  ``run.steps`` is sized for y = 4 and ``run.max_generated_tokens`` stops it at the budget;
+  it evaluates every 8 learner steps (512 generated rollouts when y = 1), so its eval points
+  do not line up with the others' in tokens.
 
 Equal budget: each run's ``run.steps`` is computed from rollouts per round and an assumed
 ``--tokens-per-rollout`` (deliberately below the ~3.5 actually seen, so every run overshoots),
@@ -31,6 +38,7 @@ Usage::
     .venv/bin/python tools/replay_vs_onpolicy.py                      # 2 seeds, 60k tokens
     .venv/bin/python tools/replay_vs_onpolicy.py --seeds 0 1 2 --token-budget 80000
     .venv/bin/python tools/replay_vs_onpolicy.py --quick              # 1 seed, 8k tokens
+    .venv/bin/python tools/replay_vs_onpolicy.py --arms replay_control --no-report
 
 Finished runs under ``--run-root`` whose config matches are reused (``--fresh`` reruns them).
 """
@@ -53,11 +61,25 @@ sys.path.insert(0, str(ROOT))
 
 from trainer.config import TrainConfig  # noqa: E402
 
-CONFIGS = ("onpolicy", "replay", "replay_tis_div")
+CONFIGS = ("onpolicy", "replay", "replay_tis_div", "replay_control")
 LABELS = {
     "onpolicy": "(a) on-policy, each rollout used once",
     "replay": "(b) replay FIFO 1024, ratio 2, ppo",
     "replay_tis_div": "(c) replay + {correction} + prompt diversity",
+    "replay_control": "(d) {control_base} + replay-ratio controller, y in [1, 4]",
+}
+# The controller of arm (d): y in [1, 4] from 2; back off when the last round's mean ESS
+# fraction < 0.9, clip fraction > 0.1 (eps 0.2/0.28 clips a few % even near on-policy) or
+# approx KL(mu -> pi) > 0.05, or the on-policy reward fell > 0.05 over 4 rounds.
+CONTROL = {
+    "enabled": True,
+    "min_updates": 1,
+    "max_updates": 4,
+    "target_ess": 0.9,
+    "max_clip": 0.1,
+    "max_kl": 0.05,
+    "reward_window": 4,
+    "reward_drop": 0.05,
 }
 PAPER = "https://arxiv.org/abs/2604.08706"
 
@@ -86,15 +108,18 @@ def build_configs(
     eval_rollouts: int = 512,
     correction: str = "tis",
     window: int = 1024,
+    arms: tuple[str, ...] = CONFIGS,
+    control_base: str = "replay",
 ) -> dict[str, TrainConfig]:
-    """The three configurations for one seed, as validated ``TrainConfig`` objects."""
+    """The configurations of ``arms`` for one seed, as validated ``TrainConfig`` objects."""
     group = base.get("generation", {}).get("group_size", 8)
     upr, batch = 2, 64
-    per_round = {"onpolicy": upr * batch, "replay": batch, "replay_tis_div": batch}
+    per_round = {"onpolicy": upr * batch}
     out = {}
-    for name in CONFIGS:
+    for name in arms:
+        kind = control_base if name == "replay_control" else name
         d = {k: dict(v) for k, v in base.items()}
-        rollouts = per_round[name]
+        rollouts = per_round.get(name, batch)
         if rollouts % group:
             raise ValueError(f"{name}: {rollouts} rollouts per round is not a multiple of {group}")
         if eval_rollouts % rollouts:
@@ -111,6 +136,16 @@ def build_configs(
             checkpoint_every=steps,
             keep_checkpoints=1,
         )
+        if name == "replay_control":
+            steps = steps_for_budget(
+                token_budget, rollouts, CONTROL["max_updates"], tokens_per_rollout
+            )
+            d["run"].update(
+                steps=steps,
+                checkpoint_every=steps,
+                max_generated_tokens=token_budget,
+                eval_every=eval_rollouts // rollouts,
+            )
         replay = dict(d.get("replay", {}), seed=seed)
         loss = dict(d.get("loss", {}))
         if name == "onpolicy":
@@ -118,8 +153,10 @@ def build_configs(
             loss["loss_type"] = "ppo"
         else:
             replay.update(window=window, max_uses=None, max_staleness=None)
-            replay["diversity"] = "prompt" if name == "replay_tis_div" else "none"
-            loss["loss_type"] = correction if name == "replay_tis_div" else "ppo"
+            replay["diversity"] = "prompt" if kind == "replay_tis_div" else "none"
+            loss["loss_type"] = correction if kind == "replay_tis_div" else "ppo"
+        if name == "replay_control":
+            replay["control"] = dict(CONTROL)
         replay.setdefault("priority", "uniform")
         d["replay"], d["loss"] = replay, loss
         out[name] = TrainConfig.from_dict(d)
@@ -137,9 +174,15 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
 def finished(cfg: TrainConfig) -> bool:
     run_dir = Path(cfg.run.dir)
     meta = run_dir / "run.json"
-    if not meta.exists() or json.loads(meta.read_text())["config"] != cfg.to_dict():
+    # Compare as configs, so that runs stored before a key with a default existed still match.
+    if not meta.exists() or TrainConfig.from_dict(json.loads(meta.read_text())["config"]) != cfg:
         return False
-    return any(r["kind"] == "train" and r["step"] == cfg.run.steps for r in read_metrics(run_dir))
+    recs = read_metrics(run_dir)
+    budget = cfg.run.max_generated_tokens
+    stopped = budget and any(
+        r["kind"] == "eval" and r.get("generated_tokens", 0) >= budget for r in recs
+    )
+    return bool(stopped) or any(r["kind"] == "train" and r["step"] == cfg.run.steps for r in recs)
 
 
 def run_one(cfg: TrainConfig, fresh: bool) -> float:
@@ -195,7 +238,17 @@ def _hit(values: list[float | None], fmt: str) -> str:
     return s if len(got) == len(values) else f"{s} ({len(got)}/{len(values)} seeds)"
 
 
-def table(summ: dict[str, list[dict[str, Any]]], target: float, correction: str) -> str:
+def label(name: str, correction: str, control_base: str = "replay") -> str:
+    base = LABELS[control_base].split(" ", 1)[0] if control_base in LABELS else control_base
+    return LABELS[name].format(correction=correction, control_base=base)
+
+
+def table(
+    summ: dict[str, list[dict[str, Any]]],
+    target: float,
+    correction: str,
+    control_base: str = "replay",
+) -> str:
     head = (
         f"| configuration | tokens to eval >= {target} | gen+train s to {target} "
         "| final eval reward | final entropy | learner steps | tokens used | gen+train s |\n"
@@ -205,7 +258,7 @@ def table(summ: dict[str, list[dict[str, Any]]], target: float, correction: str)
     for name, runs in summ.items():
         per_seed = ", ".join(f"{r['final_reward']:.3f}" for r in runs)
         rows.append(
-            f"| {LABELS[name].format(correction=correction)} "
+            f"| {label(name, correction, control_base)} "
             f"| {_hit([r['hit_tokens'] for r in runs], ',.0f')} "
             f"| {_hit([r['hit_seconds'] for r in runs], '.1f')} "
             f"| {_mean([r['final_reward'] for r in runs]):.3f} ({per_seed}) "
@@ -217,7 +270,7 @@ def table(summ: dict[str, list[dict[str, Any]]], target: float, correction: str)
     return head + "\n".join(rows) + "\n"
 
 
-def plot(summ, path: Path, target: float, correction: str) -> None:
+def plot(summ, path: Path, target: float, correction: str, control_base: str = "replay") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -239,7 +292,7 @@ def plot(summ, path: Path, target: float, correction: str) -> None:
             lw=2,
             marker="o",
             ms=3,
-            label=LABELS[name].format(correction=correction),
+            label=label(name, correction, control_base),
         )
     ax.axhline(target, color="grey", ls="--", lw=1)
     ax.set_xlabel("generated completion tokens")
@@ -293,6 +346,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--correction", choices=("tis", "decoupled", "icepop"), default="tis")
     ap.add_argument("--window", type=int, default=1024, help="FIFO capacity of (b) and (c)")
+    ap.add_argument(
+        "--arms", nargs="+", choices=CONFIGS, default=list(CONFIGS), help="configurations to run"
+    )
+    ap.add_argument(
+        "--control-base",
+        choices=("replay", "replay_tis_div"),
+        default="replay",
+        help="the arm (d) adds the controller to",
+    )
     ap.add_argument("--threads", type=int, default=1, help="torch threads (0: leave as is)")
     ap.add_argument("--out", type=Path, default=ROOT / "docs/results.md")
     ap.add_argument("--run-root", type=Path, default=ROOT / "runs/compare")
@@ -308,7 +370,8 @@ def main(argv: list[str] | None = None) -> int:
 
         torch.set_num_threads(args.threads)
     base = load_base(args.config)
-    summ: dict[str, list[dict[str, Any]]] = {name: [] for name in CONFIGS}
+    arms = tuple(a for a in CONFIGS if a in args.arms)
+    summ: dict[str, list[dict[str, Any]]] = {name: [] for name in arms}
     t_all = time.perf_counter()
     for seed in args.seeds:
         cfgs = build_configs(
@@ -320,6 +383,8 @@ def main(argv: list[str] | None = None) -> int:
             eval_rollouts=args.eval_rollouts,
             correction=args.correction,
             window=args.window,
+            arms=arms,
+            control_base=args.control_base,
         )
         for name, cfg in cfgs.items():
             run_one(cfg, args.fresh)
@@ -328,13 +393,25 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"warning: {cfg.run.dir} used only {s['tokens']} of the budget")
             summ[name].append(s)
     elapsed = time.perf_counter() - t_all
-    tab = table(summ, args.target, args.correction)
+    tab = table(summ, args.target, args.correction, args.control_base)
     print(tab)
     print(f"total {elapsed:.0f} s")
     if args.no_report:
         return 0
     png = args.out.with_name(args.out.stem + "_reward_vs_tokens.png")
-    plot(summ, png, args.target, args.correction)
+    plot(summ, png, args.target, args.correction, args.control_base)
+    figures = f"![held-out reward vs generated tokens]({png.name})\n"
+    if "replay_control" in arms:
+        from trainer.plot import plot_run
+
+        run0 = args.run_root / f"replay_control-s{args.seeds[0]}"
+        ctl = next(p for p in plot_run(run0) if p.name == "control.png")
+        ctl_png = args.out.with_name(args.out.stem + "_control.png")
+        shutil.copyfile(ctl, ctl_png)
+        figures += (
+            f"\n![(d): learner steps per round and the controller's inputs, seed "
+            f"{args.seeds[0]}]({ctl_png.name})\n"
+        )
     cmd = "python tools/replay_vs_onpolicy.py " + " ".join(
         shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)
     )
@@ -342,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
         f"Command: `{cmd.strip()}` ({len(args.seeds)} seed(s), budget "
         f"{args.token_budget:,} generated tokens per run, target {args.target}, "
         f"{elapsed:.0f} s wall in total, torch threads {args.threads or 'default'})\n\n{tab}\n"
-        f"![held-out reward vs generated tokens]({png.name})\n"
+        f"{figures}"
     )
     write_report(args.out, block)
     print(f"wrote {args.out} and {png}")

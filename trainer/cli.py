@@ -4,6 +4,7 @@ rolloutstore-train train CONFIG.toml [--set run.steps=20 ...]
 rolloutstore-train train CONFIG.toml --set 'run.mode="async"' --actors 2
 rolloutstore-train resume RUN_DIR [--steps N]
 rolloutstore-train actor RUN_DIR [--actor-id K] [--learner-weights DIR]  # async; learner starts it
+rolloutstore-train actor CONFIG.toml --store s3://B/store --learner-weights s3://B/weights  # remote
 python -m trainer train CONFIG.toml
 """
 
@@ -61,7 +62,30 @@ def cmd_train(a) -> None:
 def cmd_actor(a) -> None:
     from .async_train import run_actor
 
-    run_actor(a.run_dir, a.actor_id, weights_dir=a.learner_weights, rounds_ahead=a.rounds_ahead)
+    source = a.source
+    if Path(source).is_file():  # a TOML config: a standalone actor
+        cfg = TrainConfig.from_dict(_apply_sets(tomllib.loads(Path(source).read_text()), a.set))
+        source = cfg.with_run(actors=a.actors) if a.actors is not None else cfg
+    elif a.set:
+        raise ConfigError("--set applies to a CONFIG.toml; a run folder's config is fixed")
+    options = None
+    if a.storage_option:
+        options = {}
+        for item in a.storage_option:
+            key, sep, value = item.partition("=")
+            if not sep or not key:
+                raise ConfigError(f"--storage-option takes KEY=VALUE, got {item!r}")
+            options[key] = value
+    run_actor(
+        source,
+        a.actor_id,
+        weights_dir=a.learner_weights,
+        rounds_ahead=a.rounds_ahead,
+        store_uri=a.store,
+        storage_options=options,
+        state_dir=a.state_dir,
+        max_rounds=a.max_rounds,
+    )
 
 
 def cmd_resume(a) -> None:
@@ -103,12 +127,50 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("-q", "--quiet", action="store_true")
     p.set_defaults(func=cmd_resume)
-    p = sub.add_parser("actor", help="async mode: one actor process (the learner starts them)")
-    p.add_argument("run_dir")
+    p = sub.add_parser(
+        "actor",
+        help="async mode: one actor process (the learner starts them; run more on other machines)",
+    )
+    p.add_argument(
+        "source", metavar="RUN_DIR|CONFIG", help="the learner's run folder, or a TOML config"
+    )
     p.add_argument("--actor-id", type=int, default=0, metavar="K")
     p.add_argument(
-        "--learner-weights", default=None, metavar="DIR", help="default: RUN_DIR/weights"
+        "--learner-weights",
+        default=None,
+        metavar="URI",
+        help="published weights: a folder or s3://... (default: $ROLLOUTSTORE_WEIGHTS_URI, "
+        "else RUN_DIR/weights)",
     )
+    p.add_argument(
+        "--store",
+        default=None,
+        metavar="URI",
+        help="the shared rollout store (default: $ROLLOUTSTORE_STORE_URI, else RUN_DIR/store)",
+    )
+    p.add_argument(
+        "--storage-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="object-store option (Lance keys, e.g. aws_endpoint=...); default: "
+        "$ROLLOUTSTORE_STORAGE_OPTIONS (JSON) and the AWS_* environment",
+    )
+    p.add_argument(
+        "--state-dir",
+        default=None,
+        metavar="DIR",
+        help="this actor's next round and downloaded weights (default: [run].dir/actors)",
+    )
+    p.add_argument("--max-rounds", type=int, default=None, metavar="N", help="exit after N rounds")
+    p.add_argument(
+        "--actors",
+        type=int,
+        default=None,
+        metavar="N",
+        help="CONFIG: actors on this machine (run.actors; sets the torch threads per actor)",
+    )
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     p.add_argument(
         "--rounds-ahead",
         type=int,

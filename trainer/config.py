@@ -4,6 +4,7 @@
     [task]        name = "arith", plus the task's own options under [task.options]
     [generation]  backend, group size, sampling, prompts per round
     [replay]      rolloutstore.ReplayConfig
+    [replay.control]  trainer.control.ControlConfig (replay-ratio controller, off by default)
     [loss]        trainer.loss.LossConfig
     [optim]       trainer.learner.OptimConfig
     [run]         dir, seed, steps, updates per round, batch size, checkpoints, mode
@@ -23,6 +24,7 @@ from typing import Any, Literal
 
 from rolloutstore.replay.config import ReplayConfig
 
+from .control import ControlConfig
 from .learner import OptimConfig
 from .loss import LossConfig
 
@@ -105,6 +107,9 @@ class RunConfig:
     eval_every: int = _h("learner steps between evaluations (0: only at the end)", 10)
     id_time_ms: int = _h("time field of rollout ids, ms since epoch (0: the run's start)", 0)
     sources: tuple[str, ...] = _h("earlier run (or store) folders whose rollouts are replayed", ())
+    max_generated_tokens: int = _h(
+        "sync: stop at the first round boundary with this many tokens generated (0: off)", 0
+    )
 
     def __post_init__(self) -> None:
         if self.mode not in typing.get_args(Mode):
@@ -155,6 +160,23 @@ def _build(section: str, cls: type, values: dict[str, Any]) -> Any:
         raise ConfigError(f"[{section}]: {exc}") from exc
 
 
+def _split_control(replay: Any) -> tuple[Any, dict[str, Any]]:
+    """``[replay]`` minus its ``control`` subtable (also ``control.key`` as from ``--set``)."""
+    if not isinstance(replay, dict):
+        return replay, {}
+    rest, control = {}, {}
+    for key, value in replay.items():
+        if key == "control":
+            if not isinstance(value, dict):
+                raise ConfigError(f"[replay.control] must be a table, got {type(value).__name__}")
+            control.update(value)
+        elif key.startswith("control."):
+            control[key.removeprefix("control.")] = value
+        else:
+            rest[key] = value
+    return rest, control
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -164,6 +186,14 @@ class TrainConfig:
     loss: LossConfig = field(default_factory=LossConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    control: ControlConfig = field(default_factory=ControlConfig)
+
+    def __post_init__(self) -> None:
+        if self.control.enabled and self.run.mode != "sync":
+            raise ConfigError(
+                "[replay.control].enabled: the replay-ratio controller drives the sync loop "
+                f'only; set [run].mode = "sync" or disable it (mode is {self.run.mode!r})'
+            )
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
@@ -172,7 +202,13 @@ class TrainConfig:
                 raise ConfigError(
                     f"[{section}]: unknown section; known sections: {', '.join(SECTIONS)}"
                 )
-        return cls(**{name: _build(name, kind, d.get(name, {})) for name, kind in SECTIONS.items()})
+        d = dict(d)
+        replay, control = _split_control(d.get("replay", {}))
+        d["replay"] = replay
+        return cls(
+            **{name: _build(name, kind, d.get(name, {})) for name, kind in SECTIONS.items()},
+            control=_build("replay.control", ControlConfig, control),
+        )
 
     @classmethod
     def load(cls, path: str | Path) -> TrainConfig:
@@ -187,6 +223,7 @@ class TrainConfig:
         for name in SECTIONS:
             d = dataclasses.asdict(getattr(self, name))
             out[name] = {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
+        out["replay"]["control"] = dataclasses.asdict(self.control)
         return out
 
     def with_run(self, **changes: Any) -> TrainConfig:

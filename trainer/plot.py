@@ -3,7 +3,9 @@
     rolloutstore-train plot RUN_DIR          # writes RUN_DIR/plots/*.png
 
 Reads ``RUN_DIR/metrics.jsonl`` (one JSON object per event, ``kind`` = train,
-generate or eval). Needs matplotlib (the ``plot`` extra; in ``dev`` too).
+generate, eval or control). Runs with the replay-ratio controller (``[replay.control]``) also
+get ``control.png``: updates per round and fresh_fraction, and the inputs of each decision,
+against step. Needs matplotlib (the ``plot`` extra; in ``dev`` too).
 """
 
 from __future__ import annotations
@@ -64,4 +66,53 @@ def plot_run(run_dir: str | Path) -> list[Path]:
         fig.savefig(path, dpi=100)
         plt.close(fig)
         paths.append(path)
+    if m.get("control"):
+        paths.append(_plot_control(plt, m["control"], out_dir / "control.png", Path(run_dir).name))
     return paths
+
+
+def _plot_control(plt, recs: list[dict], path: Path, title: str) -> Path:
+    """Controller decisions vs step: the knobs on top, the signals they were decided from below."""
+    fig, axes = plt.subplots(3, 1, figsize=(8, 7.5), sharex=True)
+    steps = [r["step"] for r in recs]
+    ax = axes[0]
+    ax.step(
+        steps, [r["updates_per_round"] for r in recs], where="post", label="updates per round y"
+    )
+    backs = [r for r in recs if r.get("verdict") == "back_off"]
+    ax.plot(
+        [r["step"] for r in backs],
+        [r["updates_per_round"] for r in backs],
+        "v",
+        ms=4,
+        color="C3",
+        label="back off",
+    )
+    ax.set_ylabel("y")
+    ax2 = ax.twinx()
+    ax2.step(
+        steps, [r["fresh_fraction"] for r in recs], where="post", color="C1", label="fresh_fraction"
+    )
+    ax2.set_ylabel("fresh_fraction")
+    ax2.set_ylim(-0.05, 1.05)
+    lines = ax.get_legend_handles_labels()
+    lines2 = ax2.get_legend_handles_labels()
+    ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], fontsize=8, loc="upper right")
+    for ax, keys in (
+        (axes[1], ("ess_frac", "clip_frac")),
+        (axes[2], ("approx_kl", "reward_trend")),
+    ):
+        for key in keys:
+            pts = [(r["step"], r[f"in_{key}"]) for r in recs if r.get(f"in_{key}") is not None]
+            if pts:
+                xs, ys = zip(*pts)
+                ax.plot(xs, ys, lw=1, label=key)
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    axes[0].grid(alpha=0.3)
+    axes[2].set_xlabel("learner step")
+    fig.suptitle(f"{title}: replay-ratio controller (inputs: means over the previous round)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

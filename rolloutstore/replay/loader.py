@@ -13,7 +13,8 @@ Batch layout (padded, ``pack=False``), right-padded to the longest sequence::
     input_ids, attention_mask, position_ids      (B, T)   int64
     loss_mask, behavior_logprobs, advantages     (B, T-1) float32, aligned with
         trainer.logprobs.sequence_logprobs: column t scores input_ids[:, t+1]
-    policy_version, staleness, weights, rewards  (B,)
+    policy_version, staleness, weights, rewards  (B,)   rewards/advantages: the reward
+        version the selector read (newest re-scoring by default; see ``rolloutstore rescore``)
     rollout_ids, run_ids                          list[str]
 
 Packed (``pack=True``): the same keys with B = 1 over the concatenation, plus
@@ -46,7 +47,8 @@ from ..store import RolloutStore
 from .config import ReplayConfig
 from .selector import Selection, Selector
 
-TOKEN_COLUMNS = ["prompt_ids", "completion_ids", "behavior_logprobs", "reward", "advantage"]
+# Rewards and advantages come from the Selection (the selector overlays re-scorings on them).
+TOKEN_COLUMNS = ["prompt_ids", "completion_ids", "behavior_logprobs"]
 
 
 def _flat(col: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, np.ndarray]:
@@ -77,7 +79,7 @@ def collate(rows: pa.Table, sel: Selection, idx: np.ndarray, *, pack: bool) -> d
     c_vals = c_vals[c_off[0] : c_off[-1]]
     l_vals = l_vals[c_off[0] : c_off[-1]]
     lengths = p_len + c_len
-    adv = np.nan_to_num(rows["advantage"].to_numpy(zero_copy_only=False).astype(np.float32))
+    adv = np.nan_to_num(sel.advantages[idx].astype(np.float32))
     n = len(idx)
 
     # Flat destination of every token: row * width + column, prompts first, then completions.
@@ -126,7 +128,7 @@ def collate(rows: pa.Table, sel: Selection, idx: np.ndarray, *, pack: bool) -> d
         am = (np.arange(width)[None, :] < lengths[:, None]).astype(np.int64)
         out["attention_mask"] = torch.from_numpy(am)
         out["position_ids"] = torch.from_numpy(np.arange(width)[None, :] * am)
-    rewards = rows["reward"].to_numpy(zero_copy_only=False).astype(np.float32)
+    rewards = sel.rewards[idx].astype(np.float32)
     out.update(
         policy_version=torch.from_numpy(sel.policy_version[idx].copy()),
         staleness=torch.from_numpy(sel.staleness[idx].copy()),

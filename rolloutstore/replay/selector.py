@@ -13,6 +13,27 @@ this run's own draws in memory (seeded from the usage log at the step it starts
 or resumes from, counting only earlier steps) plus other runs' logged uses, so a
 resumed run, or a loader worker replaying the selections, sees exactly what the
 uninterrupted run saw.
+
+Re-scored rewards (``rolloutstore rescore``) are overlaid on the scanned rows before
+the window SQL, so ``drop_zero_variance_groups``, ``positive_fraction``, advantage
+priority and ``where`` all read the chosen reward version: each rollout's newest by
+default, or with ``reward_version=k`` its newest re-scoring at or below k (0: the
+values it was written with). The overlay is cached per rewards-table version, the
+buffer per (store version, staleness bound, rewards version); ``Selection`` carries
+the overlaid ``rewards``/``advantages`` for the loader.
+
+Fresh/replay mix (``fresh_fraction`` f > 0): within the candidates, the fresh rows
+are those whose policy_version is among the ``fresh_versions`` highest present. The
+batch is a stratified draw: round(f * B) rows from the fresh rows and the rest from
+the others, each side with the configured rules (positive_fraction, priority,
+diversity, replacement) applied within it and ``per_prompt_cap`` shared across
+both. A side with too few rows is topped up from the other side. The two sides are
+interleaved at the share f, so any prefix (``max_tokens`` keeps a prefix) holds it
+too until a side runs out. With ``whole_groups`` the quota is counted in rows and filled group
+by group (a group is fresh if its newest row is). Importance weights correct only
+the priority sampling within a side, ``w = (N_s P_s(i))^-beta`` normalised by the
+max over both sides, so uniform priority keeps w = 1: the mix, like
+``positive_fraction``, is a deliberate target distribution, not a bias to undo.
 """
 
 from __future__ import annotations
@@ -20,12 +41,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import lance
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute  # noqa: F401  (pa.compute)
 
 from ..errors import RolloutStoreError
-from ..sql import connect, run
+from ..sql import REWARDS_NEWEST_SQL, connect, run
 from ..store import RolloutStore
 from .config import ReplayConfig
 from .queries import (
@@ -39,6 +61,10 @@ from .queries import (
 
 class EmptyBufferError(RolloutStoreError, LookupError):
     """No rollout is eligible under the replay config."""
+
+
+class RewardVersionError(RolloutStoreError, ValueError):
+    """``ReplayConfig.reward_version`` names a re-scoring the store does not have."""
 
 
 @dataclass(frozen=True)
@@ -58,6 +84,12 @@ class Selection:
     # The buffer this batch was drawn from: lets a loader read (and cache) it in one pass.
     buffer_addresses: np.ndarray = field(default=None, repr=False)
     buffer_tokens: int = 0
+    # The reward version read (see the module docstring), per row.
+    rewards: np.ndarray = field(default=None, repr=False)  # (B,) float32, NaN: unscored
+    advantages: np.ndarray = field(default=None, repr=False)  # (B,) float32, NaN: none
+    reward_versions: np.ndarray = field(default=None, repr=False)  # (B,) int64, 0: original
+    # (B,) bool: policy_version among the buffer's fresh_versions newest (mix or not).
+    fresh: np.ndarray = field(default=None, repr=False)
 
     def __len__(self) -> int:
         return len(self.rollout_ids)
@@ -106,6 +138,8 @@ class Selector:
         self._others: dict[str, set] = {}
         self._last_sql: str | None = None
         self._last_filter: str | None = None
+        self._rewards_ds = None
+        self._overlay_cache: tuple | None = None
 
     def _sql(self, tables: dict[str, Any], query: str, params: list | None = None) -> pa.Table:
         """Run ``query`` on this selector's one DuckDB connection with ``tables`` registered."""
@@ -123,6 +157,8 @@ class Selector:
         state["_con"] = None
         state["_buf_cache"] = None
         state["_codes_cache"] = None
+        state["_rewards_ds"] = None
+        state["_overlay_cache"] = None
         return state
 
     # -- state -------------------------------------------------------------------------
@@ -147,11 +183,18 @@ class Selector:
             scan = self._last_filter or "(none)"
         else:
             scan = lance_filter(self.config, None) or "(none)"
+        k = self.config.reward_version
+        overlay = (
+            "each rollout's newest re-scoring (rewards table), else as written"
+            if k is None
+            else f"each rollout's newest re-scoring with reward_version <= {k}, else as written"
+        )
         return (
             f"-- Lance scan of the fragments that can hold the window, columns: "
             f"{', '.join(SCALAR_COLUMNS)}\n-- pushed-down filter: {scan}\n"
             "-- cand = the scanned rows; uses = per rollout, this run's draws at earlier steps\n"
             "-- (counted in memory) plus other runs' distinct (run, step) uses from the usage log\n"
+            f"-- reward, advantage: {overlay}\n"
             f"{sql}"
         )
 
@@ -190,7 +233,7 @@ class Selector:
         """Window, staleness and group filters; cached per (store version, staleness bound)."""
         ds = self.store.dataset()
         lower = self._lower(learner_version)
-        key = (ds.version, lower)
+        key = (ds.version, lower, self._rewards_version())
         if self._buf_cache is not None and self._buf_cache[0] == key:
             return self._buf_cache[1]
         buf = self._buffer(ds, lower)
@@ -260,14 +303,57 @@ class Selector:
         cols = SCALAR_COLUMNS if self.config.where else SELECT_COLUMNS
         cols = cols + (["embedding"] if self.config.diversity == "embedding" else [])
         if not fragments:
-            return (
+            t = (
                 ds.schema.empty_table()
                 .select(cols)
                 .append_column("_rowaddr", pa.array([], pa.uint64()))
             )
-        return ds.scanner(
-            columns=cols, filter=scan_filter, fragments=fragments, with_row_address=True
-        ).to_table()
+        else:
+            t = ds.scanner(
+                columns=cols, filter=scan_filter, fragments=fragments, with_row_address=True
+            ).to_table()
+        return _apply_overlay(t, self._overlay())
+
+    # -- re-scored rewards -------------------------------------------------------------
+    def _rewards_version(self) -> int | None:
+        """Version of the rewards table (None: no re-scoring yet); cheap, read every draw."""
+        if self._rewards_ds is None:
+            ds = self.store._rewards()
+            if not isinstance(ds, lance.LanceDataset):
+                return None
+            self._rewards_ds = ds
+        return self._rewards_ds.latest_version
+
+    def _overlay(self) -> pa.Table | None:
+        """(rollout_id, reward, advantage, reward_version) of the chosen re-scoring per rollout."""
+        version = self._rewards_version()
+        want = self.config.reward_version
+        if self._overlay_cache is not None and self._overlay_cache[0] == version:
+            return self._overlay_cache[1]
+        table = None
+        if version is not None:
+            ds = self._rewards_ds.checkout_version(version)
+            newest = self._sql({"rewards": ds}, "SELECT max(reward_version) AS v FROM rewards")
+            top = newest["v"][0].as_py() or 0
+            if want is not None and want > top:
+                raise RewardVersionError(
+                    f"ReplayConfig.reward_version {want} does not exist: the store's "
+                    f"re-scorings go up to {top} (0 = the rewards rollouts were written with)"
+                )
+            where = "" if want is None else "WHERE reward_version <= ?"
+            table = self._sql(
+                {"rewards": ds},
+                REWARDS_NEWEST_SQL.format(where=where),
+                None if want is None else [want],
+            )
+            table = table if table.num_rows else None
+        elif want not in (None, 0):
+            raise RewardVersionError(
+                f"ReplayConfig.reward_version {want} does not exist: the store has no "
+                "re-scorings yet (run `rolloutstore rescore`), only version 0"
+            )
+        self._overlay_cache = (version, table)
+        return table
 
     def _eligible_count_and_nth(self, cand: pa.Table, params_where: list) -> tuple[int, int]:
         where = f"WHERE ({self.config.where})" if self.config.where else ""
@@ -360,9 +446,15 @@ class Selector:
         rng = np.random.default_rng([self.config.seed, step])
         want = batch_size if batch_size is not None else cand.num_rows
         if self._codes_cache is None or self._codes_cache[0] is not cand:
-            self._codes_cache = (cand, _codes(cand["prompt_id"]))
+            pv_all = cand["policy_version"].to_numpy().astype(np.int64)
+            self._codes_cache = (
+                cand,
+                _codes(cand["prompt_id"]),
+                fresh_mask(pv_all, self.config.fresh_versions),
+            )
+        _, prompts, fresh = self._codes_cache
         idx, weights = _draw(
-            cand, want, self.config, rng, self._embeddings, prompts=self._codes_cache[1]
+            cand, want, self.config, rng, self._embeddings, prompts=prompts, fresh=fresh
         )
         if max_tokens is not None:
             lengths = (
@@ -387,6 +479,10 @@ class Selector:
             buffer_addresses=cand["_rowaddr"].to_numpy().astype(np.uint64),
             buffer_tokens=int(pa.compute.sum(cand["num_prompt_tokens"]).as_py() or 0)
             + int(pa.compute.sum(cand["num_completion_tokens"]).as_py() or 0),
+            rewards=_floats(pick["reward"]),
+            advantages=_floats(pick["advantage"]),
+            reward_versions=pick["reward_version"].to_numpy().astype(np.int64),
+            fresh=fresh[idx],
         )
         if self._own_uses is not None:
             for rid in set(sel.rollout_ids):
@@ -405,6 +501,24 @@ class Selector:
             flat = emb.filter(pa.array(valid)).combine_chunks().values.to_numpy()
             out[valid] = flat.reshape(-1, dim)
         return out
+
+
+def _apply_overlay(t: pa.Table, overlay: pa.Table | None) -> pa.Table:
+    """``t`` with reward/advantage replaced where ``overlay`` has the rollout, plus
+    a ``reward_version`` column (0: the values the rollout was written with)."""
+    n = t.num_rows
+    if overlay is None or n == 0:
+        return t.append_column("reward_version", pa.array(np.zeros(n, np.int64)))
+    pos = pa.compute.index_in(t["rollout_id"], value_set=overlay["rollout_id"])
+    hit = pos.is_valid()
+    cols = {}
+    for name in ("reward", "advantage"):
+        new = overlay[name].take(pos).cast(t.schema.field(name).type)
+        cols[name] = pa.compute.if_else(hit, new, t[name])
+    version = pa.compute.if_else(hit, overlay["reward_version"].take(pos), pa.scalar(0, pa.int64()))
+    for name, col in cols.items():
+        t = t.set_column(t.schema.get_field_index(name), name, col)
+    return t.append_column("reward_version", version)
 
 
 # -- the draw (pure numpy) --------------------------------------------------------------
@@ -430,57 +544,137 @@ def _take_in_order(order, n, prompts, cap, taken_prompts) -> np.ndarray:
     return np.asarray(out, dtype=np.int64)
 
 
-def _draw(cand: pa.Table, batch_size: int, cfg: ReplayConfig, rng, embeddings, prompts=None):
+def _draw(
+    cand: pa.Table,
+    batch_size: int,
+    cfg: ReplayConfig,
+    rng,
+    embeddings,
+    prompts=None,
+    fresh: np.ndarray | None = None,
+):
+    """(indices into ``cand``, importance weights); ``fresh`` marks the fresh rows of a mix."""
     n = cand.num_rows
     prompts = _codes(cand["prompt_id"]) if prompts is None else prompts
     reward = cand["reward"].to_numpy(zero_copy_only=False).astype(np.float64)
     adv = np.nan_to_num(cand["advantage"].to_numpy(zero_copy_only=False).astype(np.float64))
+    mix = fresh is not None and cfg.fresh_fraction > 0
     if cfg.whole_groups:
-        return _draw_groups(cand, batch_size, cfg, rng, adv)
+        return _draw_groups(cand, batch_size, cfg, rng, adv, fresh if mix else None)
 
     logp = np.zeros(n)
     if cfg.priority == "advantage":
         logp = cfg.alpha * np.log(np.abs(adv) + cfg.priority_eps)
-    probs = np.exp(logp - logp.max())
-    probs /= probs.sum()
-    weights_all = (n * probs) ** (-cfg.beta) if cfg.priority == "advantage" else np.ones(n)
-    if cfg.priority == "advantage":
-        weights_all = weights_all / weights_all.max()
+    side = _Side(cand, cfg, rng, embeddings, prompts, reward, logp, {})
+    if not mix:
+        rows = np.arange(n)
+        idx, n_pos = side.draw(rows, batch_size)
+        raw = side.weights(rows)
+        w = raw[idx] / raw.max() if len(idx) else np.ones(0)
+        w[:n_pos] = 1.0
+        return idx, w
 
-    taken: dict = {}
-    chosen = np.zeros(0, np.int64)
-    k_pos = int(round(cfg.positive_fraction * batch_size))
-    if k_pos:
-        # Candidates are newest first, so the first positives are the freshest.
-        pos = np.flatnonzero(np.nan_to_num(reward, nan=-np.inf) > cfg.positive_threshold)
-        pool = pos[: cfg.positive_pool]
-        if len(pool):
-            order = pool[_gumbel_order(np.zeros(len(pool)), rng)]
-            if cfg.replacement:
-                order = rng.choice(pool, size=k_pos * 4)
-            chosen = _take_in_order(order, k_pos, prompts, cfg.per_prompt_cap, taken)
-    rest = batch_size - len(chosen)
-    remaining = np.arange(n)
-    if len(chosen) and not cfg.replacement:
-        remaining = np.setdiff1d(remaining, chosen)
+    fresh_rows, old_rows = np.flatnonzero(fresh), np.flatnonzero(~fresh)
+    k_fresh = int(round(cfg.fresh_fraction * batch_size))
+    if not len(old_rows):
+        k_fresh = batch_size
+    if not cfg.replacement:
+        k_fresh = min(k_fresh, len(fresh_rows))
+    a, a_pos = side.draw(fresh_rows, k_fresh)
+    b, b_pos = side.draw(old_rows, batch_size - len(a))
+    short = batch_size - len(a) - len(b)
+    if short > 0:  # the replay side ran out (or its prompts hit the cap): top up with fresh
+        more = fresh_rows if cfg.replacement else np.setdiff1d(fresh_rows, a)
+        extra, _ = side.draw(more, short)
+        a = np.concatenate([a, extra])
+    raw = np.zeros(n)
+    raw[fresh_rows] = side.weights(fresh_rows)
+    raw[old_rows] = side.weights(old_rows)
+    wa, wb = raw[a] / raw.max(), raw[b] / raw.max()
+    wa[:a_pos], wb[:b_pos] = 1.0, 1.0
+    order = np.argsort(
+        np.concatenate(_shares(np.ones(len(a)), np.ones(len(b)), cfg.fresh_fraction)),
+        kind="stable",
+    )
+    return np.concatenate([a, b])[order], np.concatenate([wa, wb])[order]
 
-    if cfg.diversity == "prompt":
-        order = _prompt_round_robin(remaining, prompts, logp, rng)
-    elif cfg.diversity == "embedding":
-        pool_n = min(len(remaining), cfg.diversity_pool * max(rest, 1))
-        pool = remaining[_gumbel_order(logp[remaining], rng)[:pool_n]]
-        order = pool[_farthest_point(embeddings(cand, pool), rest, rng)]
-    elif cfg.replacement:
-        p = probs[remaining] / probs[remaining].sum()
-        order = rng.choice(remaining, size=rest * 4 + 16, p=p)
-    else:
-        order = remaining[_gumbel_order(logp[remaining], rng)]
-    rest_idx = _take_in_order(order, rest, prompts, cfg.per_prompt_cap, taken)
-    idx = np.concatenate([chosen, rest_idx])
-    w = np.ones(len(idx)) if not len(idx) else weights_all[idx]
-    if k_pos:
-        w[: min(k_pos, len(idx))] = 1.0
-    return idx, w
+
+def _shares(rows_a: np.ndarray, rows_b: np.ndarray, f: float) -> tuple[np.ndarray, np.ndarray]:
+    """Merge keys for two lists of items holding ``rows_*`` rows each: sorting by them puts
+    a share ``f`` of the rows from ``a`` into every prefix, until one list runs out."""
+    mid_a = np.cumsum(rows_a) - rows_a / 2
+    mid_b = np.cumsum(rows_b) - rows_b / 2
+    with np.errstate(divide="ignore"):
+        return mid_a / f if f > 0 else mid_a + np.inf, mid_b / (1 - f) if f < 1 else mid_b + np.inf
+
+
+class _Side:
+    """The draw within one set of candidate rows (the whole buffer, or one side of a mix)."""
+
+    def __init__(self, cand, cfg, rng, embeddings, prompts, reward, logp, taken):
+        self.cand, self.cfg, self.rng, self.embeddings = cand, cfg, rng, embeddings
+        self.prompts, self.reward, self.logp = prompts, reward, logp
+        self.taken = taken  # per-prompt picks, shared by every side of one batch
+
+    def weights(self, rows: np.ndarray) -> np.ndarray:
+        """Unnormalised importance weights (N P)^-beta of ``rows`` (1 for uniform priority)."""
+        if self.cfg.priority != "advantage" or not len(rows):
+            return np.ones(len(rows))
+        lp = self.logp[rows]
+        probs = np.exp(lp - lp.max())
+        probs /= probs.sum()
+        return (len(rows) * probs) ** (-self.cfg.beta)
+
+    def draw(self, rows: np.ndarray, k: int) -> tuple[np.ndarray, int]:
+        """``k`` of ``rows`` (indices into the candidates), and how many lead as positives."""
+        cfg, rng = self.cfg, self.rng
+        if k <= 0 or not len(rows):
+            return np.zeros(0, np.int64), 0
+        lp = self.logp[rows]
+        prompts = self.prompts[rows]
+        probs = np.exp(lp - lp.max())
+        probs /= probs.sum()
+        cap = cfg.per_prompt_cap
+        chosen = np.zeros(0, np.int64)
+        k_pos = int(round(cfg.positive_fraction * k))
+        if k_pos:
+            # Candidates are newest first, so the first positives are the freshest.
+            reward = np.nan_to_num(self.reward[rows], nan=-np.inf)
+            pool = np.flatnonzero(reward > cfg.positive_threshold)[: cfg.positive_pool]
+            if len(pool):
+                order = pool[_gumbel_order(np.zeros(len(pool)), rng)]
+                if cfg.replacement:
+                    order = rng.choice(pool, size=k_pos * 4)
+                chosen = _take_in_order(order, k_pos, prompts, cap, self.taken)
+        rest = k - len(chosen)
+        remaining = np.arange(len(rows))
+        if len(chosen) and not cfg.replacement:
+            remaining = np.setdiff1d(remaining, chosen)
+        if cfg.diversity == "prompt":
+            order = _prompt_round_robin(remaining, prompts, lp, rng)
+        elif cfg.diversity == "embedding":
+            pool_n = min(len(remaining), cfg.diversity_pool * max(rest, 1))
+            pool = remaining[_gumbel_order(lp[remaining], rng)[:pool_n]]
+            order = pool[_farthest_point(self.embeddings(self.cand, rows[pool]), rest, rng)]
+        elif cfg.replacement:
+            p = probs[remaining] / probs[remaining].sum()
+            order = rng.choice(remaining, size=rest * 4 + 16, p=p)
+        else:
+            order = remaining[_gumbel_order(lp[remaining], rng)]
+        rest_idx = _take_in_order(order, rest, prompts, cap, self.taken)
+        return rows[np.concatenate([chosen, rest_idx])].astype(np.int64), len(chosen)
+
+
+def fresh_mask(policy_version: np.ndarray, fresh_versions: int) -> np.ndarray:
+    """Rows whose policy_version is among the ``fresh_versions`` highest present."""
+    if not len(policy_version):
+        return np.zeros(0, bool)
+    top = np.unique(policy_version)[-fresh_versions:]
+    return np.isin(policy_version, top)
+
+
+def _floats(col: pa.ChunkedArray) -> np.ndarray:
+    return col.to_numpy(zero_copy_only=False).astype(np.float32)
 
 
 def _codes(col: pa.ChunkedArray) -> np.ndarray:
@@ -522,7 +716,7 @@ def _farthest_point(x: np.ndarray, k: int, rng) -> np.ndarray:
     return np.asarray(picked, np.int64)
 
 
-def _draw_groups(cand: pa.Table, batch_size: int, cfg: ReplayConfig, rng, adv):
+def _draw_groups(cand: pa.Table, batch_size: int, cfg: ReplayConfig, rng, adv, fresh=None):
     groups = _codes(cand["group_id"])
     uniq, first_idx, inverse = np.unique(groups, return_index=True, return_inverse=True)
     # Keep the candidates' (newest-first) order among groups.
@@ -533,11 +727,34 @@ def _draw_groups(cand: pa.Table, batch_size: int, cfg: ReplayConfig, rng, adv):
         mean_abs = np.bincount(inverse, weights=np.abs(adv), minlength=len(uniq)) / sizes
         logp = cfg.alpha * np.log(mean_abs + cfg.priority_eps)
     order = by_age[_gumbel_order(logp[by_age], rng)]
-    picked, rows = [], 0
-    for g in order:
-        if rows >= batch_size:
-            break
-        picked.append(g)
-        rows += sizes[g]
+    if fresh is None:
+        picked = _fill_groups(order, sizes, batch_size, 0)[0]
+    else:
+        # Quota in rows, filled group by group: fresh groups first up to round(f * B)
+        # rows, then replay groups up to B, then more fresh groups if replay ran out.
+        g_fresh = np.zeros(len(uniq), bool)
+        np.logical_or.at(g_fresh, inverse, fresh)
+        is_fresh = g_fresh[order]
+        k_fresh = int(round(cfg.fresh_fraction * batch_size))
+        a, rows_a = _fill_groups(order[is_fresh], sizes, k_fresh, 0)
+        b, rows_b = _fill_groups(order[~is_fresh], sizes, batch_size, rows_a)
+        more, _ = _fill_groups(order[is_fresh][len(a) :], sizes, batch_size, rows_a + rows_b)
+        a = a + more
+        # Interleave by each group's middle row, so every prefix keeps the share.
+        ka, kb = _shares(sizes[a].astype(float), sizes[b].astype(float), cfg.fresh_fraction)
+        picked = [(a + b)[i] for i in np.argsort(np.concatenate([ka, kb]), kind="stable")]
+    if not picked:
+        return np.zeros(0, np.int64), np.ones(0)
     idx = np.concatenate([np.flatnonzero(inverse == g) for g in picked]).astype(np.int64)
     return idx, np.ones(len(idx))
+
+
+def _fill_groups(order, sizes, target: int, have: int) -> tuple[list, int]:
+    """Groups from ``order`` until ``have`` + their rows reaches ``target``; (groups, rows)."""
+    picked, rows = [], 0
+    for g in order:
+        if have + rows >= target:
+            break
+        picked.append(int(g))
+        rows += int(sizes[g])
+    return picked, rows

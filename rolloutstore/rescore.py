@@ -1,0 +1,272 @@
+"""Re-score stored rollouts when the reward changes, instead of regenerating them.
+
+    rolloutstore rescore STORE --task arith [--task-option no_number_penalty=1]
+                         [--where "policy_version >= ?" --param 3] [--advantage-mode grpo]
+
+    from rolloutstore import RolloutStore
+    RolloutStore.open("runs/demo/store").rescore("arith", where="reward = ?", params=[0])
+
+A re-scoring reads each selected rollout's ``prompt_text``, ``completion_text`` and
+reference answer (``metadata`` as written by ``trainer.generate``: ``{"answer": ...,
+"prompt_meta": {...}}``), calls ``task.reward(prompt, completion_text)``, recomputes
+group advantages (``trainer.advantage.group_advantages``) over the new rewards, and
+appends one row per rollout to ``STORE/rewards.lance`` under ``reward_version`` =
+newest + 1 (version 0 is the reward a rollout was written with). The rollouts
+dataset, and so every token column, is never rewritten.
+
+Rules:
+
+- Advantages are group-relative, so a re-scoring always covers whole groups: ``where``
+  (a filter over the ``rollouts_scored`` view, i.e. over each rollout's current reward,
+  with ``?`` placeholders bound to ``params``) picks groups by any of their rows.
+- Only rows whose ``task`` column equals ``from_task`` (default: the task's name) are
+  eligible, so a verifier never scores another task's rollouts.
+- All rows of a re-scoring commit at once (fragments are written as it goes, then one
+  Lance commit): a failure part-way leaves no partial version. A bad ``where``, an
+  unknown task or a row without its answer is refused before anything is written.
+- Re-scorings are single-writer: two run concurrently could pick the same version.
+
+The trainer package (tasks, advantages) is imported only when a re-scoring runs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+import lance
+import numpy as np
+import pyarrow as pa
+from lance.fragment import write_fragments
+
+from . import schema as S
+from .errors import QueryError, RolloutStoreError
+
+if TYPE_CHECKING:
+    from .store import RolloutStore
+
+BATCH_ROWS = 4096
+READ_COLUMNS = [
+    "rollout_id", "group_id", "prompt_text", "completion_text", "metadata", "reward",
+]  # fmt: skip
+
+
+class RescoreError(RolloutStoreError, ValueError):
+    """A re-scoring was refused (unknown task, bad filter, a row without its answer)."""
+
+
+@dataclass(frozen=True)
+class RescoreResult:
+    rows: int
+    groups: int
+    reward_version: int | None  # None when nothing matched (no version was written)
+    mean_before: float | None
+    mean_after: float | None
+    changed: int  # rows whose reward differs from the one they had before
+
+    def line(self) -> str:
+        if self.reward_version is None:
+            return "rescored 0 rollouts: nothing matched; no reward version written"
+        before = "-" if self.mean_before is None else f"{self.mean_before:.4f}"
+        return (
+            f"rescored {self.rows} rollouts in {self.groups} groups as reward_version "
+            f"{self.reward_version}: mean reward {before} -> {self.mean_after:.4f}, "
+            f"{self.changed} changed"
+        )
+
+
+def resolve_task(task: Any, options: dict[str, Any] | None = None):
+    """A ``trainer.tasks.Task`` from a name (+ options) or an instance; clear error if unknown."""
+    if not isinstance(task, str):
+        if options:
+            raise RescoreError("task_options only apply when the task is given by name")
+        if not callable(getattr(task, "reward", None)):
+            raise RescoreError(f"task must be a name or a trainer Task, got {task!r}")
+        return task
+    try:
+        from trainer.tasks import get_task
+    except ImportError as exc:  # pragma: no cover - the trainer package ships with rolloutstore
+        raise RescoreError(f"rescore needs the trainer package for task verifiers: {exc}") from exc
+    try:
+        return get_task(task, **(options or {}))
+    except (ValueError, TypeError) as exc:
+        raise RescoreError(f"--task {task!r} with options {options or {}}: {exc}") from exc
+
+
+def _select_sql(where: str | None) -> str:
+    extra = f" AND ({where})" if where else ""
+    return (
+        f"WITH picked AS (SELECT DISTINCT group_id FROM rollouts_scored WHERE task = ?{extra}) "
+        f"SELECT {', '.join('s.' + c for c in READ_COLUMNS)} FROM rollouts_scored s "
+        "JOIN picked USING (group_id) WHERE s.task = ? ORDER BY s.group_id, s.rollout_id"
+    )
+
+
+def _groups(reader: pa.RecordBatchReader) -> Iterator[pa.Table]:
+    """Tables of whole groups from a stream sorted by group_id (a group never splits)."""
+    tail: pa.Table | None = None
+    for batch in reader:
+        t = pa.Table.from_batches([batch])
+        if tail is not None:
+            t = pa.concat_tables([tail, t])
+        if t.num_rows == 0:
+            continue
+        gid = t["group_id"].to_numpy(zero_copy_only=False)
+        last = gid[-1]
+        # Rows are sorted by group_id, so the last group is a suffix: hold it back.
+        cut = len(gid) - int(np.sum(gid == last))
+        if cut:
+            yield t.slice(0, cut)
+        tail = t.slice(cut)
+    if tail is not None and tail.num_rows:
+        yield tail
+
+
+def _prompt(prompt_cls, row: dict[str, Any]):
+    rid = row["rollout_id"]
+    if row["prompt_text"] is None:
+        raise RescoreError(f"rollout {rid}: prompt_text is null; rescore needs the prompt text")
+    try:
+        meta = json.loads(row["metadata"]) if row["metadata"] else {}
+    except json.JSONDecodeError as exc:
+        raise RescoreError(f"rollout {rid}: metadata is not JSON ({exc})") from exc
+    if not isinstance(meta, dict) or not isinstance(meta.get("answer"), str):
+        raise RescoreError(
+            f"rollout {rid}: metadata has no 'answer' string; rescore needs the reference "
+            'answer as trainer.generate writes it: {"answer": ..., "prompt_meta": {...}}'
+        )
+    return prompt_cls(row["prompt_text"], meta["answer"], dict(meta.get("prompt_meta") or {}))
+
+
+def _score(task, table: pa.Table, mode: str) -> dict[str, Any]:
+    from trainer.advantage import group_advantages
+    from trainer.tasks import Prompt
+
+    rows = table.to_pylist()
+    rewards, infos = [], []
+    for row in rows:
+        result = task.reward(_prompt(Prompt, row), row["completion_text"] or "")
+        r = float(result.reward)
+        if not math.isfinite(r):
+            raise RescoreError(f"rollout {row['rollout_id']}: the task returned reward {r}")
+        rewards.append(r)
+        infos.append(json.dumps(result.info, sort_keys=True, default=str))
+    adv = group_advantages(rewards, table["group_id"].to_numpy(zero_copy_only=False), mode=mode)
+    return {"rewards": np.asarray(rewards, np.float32), "advantages": adv, "infos": infos}
+
+
+def rescore(
+    store: RolloutStore,
+    task: Any,
+    *,
+    task_options: dict[str, Any] | None = None,
+    where: str | None = None,
+    params: Sequence | None = None,
+    from_task: str | None = None,
+    advantage_mode: str = "grpo",
+    note: str | None = None,
+    progress: bool = False,
+) -> RescoreResult:
+    """Re-score ``store``'s rollouts with ``task`` (a name or a Task); see the module docstring."""
+    from .export import check_where
+    from .sql import run
+
+    store._check_writable()
+    if advantage_mode not in ("grpo", "drgrpo"):
+        raise RescoreError(f"advantage_mode must be grpo or drgrpo, got {advantage_mode!r}")
+    if where is not None:
+        where = check_where(where)
+    params = list(params or [])
+    if where is None and params:
+        raise RescoreError(f"{len(params)} --param value(s) given without --where")
+    task_obj = resolve_task(task, task_options)
+    name = getattr(task_obj, "name", "") or (task if isinstance(task, str) else "")
+    rows_task = from_task or name
+    if not rows_task:
+        raise RescoreError("the task has no name: pass from_task to say which rows it scores")
+
+    con = store.connect()
+    sql = _select_sql(where)
+    bound = [rows_task, *params, rows_task]
+    try:
+        total = run(con, f"SELECT count(*) AS n FROM ({sql})", bound)["n"][0].as_py()
+    except QueryError as exc:
+        raise RescoreError(f"--where {where!r} with params {params}: {exc}") from exc
+    if total == 0:
+        return RescoreResult(0, 0, None, None, None, 0)
+    rewards_ds = store._rewards()
+    newest = run(con, "SELECT max(reward_version) AS v FROM rewards")["v"][0].as_py()
+    version = (newest or 0) + 1
+    reader = con.sql(sql, params=bound).to_arrow_reader(BATCH_ROWS)
+    sch = S.table_schema("rewards")
+    target = store.uri.rstrip("/") + "/rewards.lance"
+    scorer = json.dumps(
+        {"task": name, "options": task_options or {}, "advantage_mode": advantage_mode},
+        sort_keys=True,
+        default=str,
+    )
+    now = datetime.now(UTC)
+    fragments, n_rows, n_groups, changed = [], 0, 0, 0
+    sum_before, n_before, sum_after = 0.0, 0, 0.0
+    bar = _bar(total, progress)
+    try:
+        for part in _groups(reader):
+            scored = _score(task_obj, part, advantage_mode)
+            old = part["reward"].to_numpy(zero_copy_only=False).astype(np.float64)
+            new = scored["rewards"]
+            known = ~np.isnan(old)
+            sum_before += float(old[known].sum())
+            n_before += int(known.sum())
+            sum_after += float(new.astype(np.float64).sum())
+            changed += int(np.sum(~known | (old != new)))
+            n = part.num_rows
+            table = pa.table(
+                {
+                    "rollout_id": part["rollout_id"],
+                    "reward_version": pa.array(np.full(n, version, np.int64)),
+                    "reward": pa.array(new, pa.float32()),
+                    "advantage": pa.array(scored["advantages"], pa.float32()),
+                    "reward_info": pa.array(scored["infos"], pa.string()),
+                    "task": pa.array([name] * n, pa.string()),
+                    "scorer": pa.array([scorer] * n, pa.string()),
+                    "note": pa.array([note] * n, pa.string()),
+                    "created_at": pa.array([now] * n, sch.field("created_at").type),
+                },
+                schema=sch,
+            )
+            fragments += write_fragments(
+                table, target, schema=sch, storage_options=store.storage_options
+            )
+            n_rows += n
+            n_groups += len(set(part["group_id"].to_pylist()))
+            bar.update(n)
+    finally:
+        bar.close()
+    # One commit for the whole re-scoring: until here nothing is visible.
+    if isinstance(rewards_ds, lance.LanceDataset):
+        op = lance.LanceOperation.Append(fragments)
+        read_version = rewards_ds.version
+    else:
+        op = lance.LanceOperation.Overwrite(sch, fragments)
+        read_version = None
+    lance.LanceDataset.commit(
+        target, op, read_version=read_version, storage_options=store.storage_options
+    )
+    return RescoreResult(
+        rows=n_rows,
+        groups=n_groups,
+        reward_version=version,
+        mean_before=sum_before / n_before if n_before else None,
+        mean_after=sum_after / n_rows,
+        changed=changed,
+    )
+
+
+def _bar(total: int, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="rollout", desc="rescore", disable=not enabled)
