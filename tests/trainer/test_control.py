@@ -165,6 +165,9 @@ def _small(run_dir: Path, steps: int, **control) -> dict:
             "batch_prompts": 3,
         },
         "replay": {"window": 64, "seed": 1, "control": control},
+        # Rewards of a 3-step warm start are all 0 (zero advantages): the entropy bonus keeps
+        # the weights moving so that "same final weights" says something.
+        "loss": {"entropy_coef": 0.01},
         "optim": {"lr": 1e-3},
         "run": {
             "dir": str(run_dir),
@@ -276,6 +279,8 @@ def test_sigkill_and_resume_with_the_controller_equal_the_uninterrupted_run(tmp_
     assert ref.returncode == 0, err
     final = f"checkpoints/step-{steps:09d}/model.safetensors"
     want = (tmp_path / "ref" / "run" / final).read_bytes()
+    before = f"checkpoints/step-{steps - 2:09d}/model.safetensors"
+    assert (tmp_path / "ref" / "run" / before).read_bytes() != want  # training moved the weights
     # generate:3:0 dies inside round 3 (step 6, after y changed twice); step:5 dies mid-way
     # between checkpoint 4 and the next decision, so the round's partial signals must resume.
     for i, fault in enumerate(["generate:3:0", "step:5"]):

