@@ -3,6 +3,7 @@
 rolloutstore-train train CONFIG.toml [--set run.steps=20 ...]
 rolloutstore-train train CONFIG.toml --set 'run.mode="async"' --actors 2
 rolloutstore-train resume RUN_DIR [--steps N]
+torchrun --nproc-per-node 2 -m trainer train CONFIG.toml   # distributed learners (sync mode)
 rolloutstore-train actor RUN_DIR [--actor-id K] [--learner-weights DIR]  # async; learner starts it
 rolloutstore-train actor CONFIG.toml --store s3://B/store --learner-weights s3://B/weights  # remote
 python -m trainer train CONFIG.toml
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tomllib
 from pathlib import Path
@@ -34,6 +36,8 @@ def _apply_sets(data: dict, sets: list[str]) -> dict:
 
 
 def _summary(result) -> None:
+    if os.environ.get("RANK", "0") != "0":
+        return  # torchrun: rank 0 reports for all learner ranks
     store = result.store
     print(f"\nrun folder   {result.run_dir}")
     print(f"store        {store}")

@@ -12,6 +12,12 @@ or packed batch dict, or the list of micro-batch dicts the loader yields when it
    *whole* step, and ``backward`` — so the accumulated gradient equals one big batch's;
 3. clip the global grad norm, AdamW step, LR schedule step, ``policy_version += 1``.
 
+Distributed (``trainer.distributed``): with ``learner.ddp`` set to a DDP-wrapped
+:class:`trainer.distributed.LogProbModule` of the model, each rank steps on its share of the
+global batch; the step's token / sequence totals are summed over ranks so that every rank
+normalises by the *global* batch, the gradient is all-reduced (summed) once per step on the
+last micro-batch, and the metrics are reduced over ranks, so all ranks take the same step.
+
 Packed micro-batches are scored as one row (the model isolates the packed sequences through the
 restarting ``position_ids``) and the per-token results are then scattered into a per-sequence
 ``(n, L-1)`` grid, so per-sequence quantities (``weights``, ``staleness``, GSPO's sequence ratio,
@@ -256,6 +262,8 @@ class Learner:
         self.compute_entropy = compute_entropy or loss_cfg.entropy_coef > 0
         self.policy_version = 0
         self.steps_done = 0
+        # A DDP-wrapped trainer.distributed.LogProbModule of self.model (set by wrap_learner).
+        self.ddp: Any | None = None
 
         torch.manual_seed(optim_cfg.seed)
         self.model = model.to(self.device)
@@ -306,9 +314,12 @@ class Learner:
         sums: dict[str, float] = {}
         weight_max = 0.0
         staleness_sum = 0.0
-        for mb in mbs:
+        for i, mb in enumerate(mbs):
             mb = self._to_device(mb)
-            out, n_tok = self._forward_backward(mb, tokens, seqs)
+            # DDP: all-reduce the accumulated gradient once, on the last micro-batch.
+            last = i == len(mbs) - 1
+            with nullcontext() if self.ddp is None or last else self.ddp.no_sync():
+                out, n_tok = self._forward_backward(mb, tokens, seqs)
             m = out.metrics()
             weight_max = max(weight_max, m.pop("is_weight_max"))
             m.pop("mean_staleness", None)
@@ -347,7 +358,23 @@ class Learner:
             skipped=float(skipped),
             seconds=time.perf_counter() - t0,
         )
-        return sums
+        return sums if self.ddp is None else self._reduce_metrics(sums)
+
+    def _reduce_metrics(self, sums: dict[str, float]) -> dict[str, float]:
+        """Per-rank partial metrics -> the global batch's (all ranks get the same values)."""
+        import torch.distributed as dist
+
+        # Equal on every rank already: computed from the all-reduced gradient or totals.
+        same = {"grad_norm", "lr", "tokens", "sequences", "policy_version", "skipped"}
+        top = ["is_weight_max", "seconds"]
+        # The rest are partial sums: loss terms are normalised by the global totals, the
+        # diagnostics weighted by n_tok / global tokens, staleness divided by global sequences.
+        keys = sorted(k for k in sums if k not in same and k not in top)
+        t = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=self.device)
+        m = torch.tensor([sums[k] for k in top], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t)
+        dist.all_reduce(m, op=dist.ReduceOp.MAX)
+        return {**sums, **dict(zip(keys, t.tolist())), **dict(zip(top, m.tolist()))}
 
     @torch.no_grad()
     def sequence_logprobs(self, batch: dict[str, Any]) -> Tensor:
@@ -397,11 +424,17 @@ class Learner:
                 raise ValueError("Learner.step got an empty list of micro-batches")
         tokens = sum(int(self._target_mask(mb).sum()) for mb in mbs)
         seqs = sum(_num_sequences(mb) for mb in mbs)
-        # The loader's totals win when present: a distributed caller may set them to the
-        # count over all ranks so that every rank normalises by the global batch.
-        first = mbs[0]
+        # The loader's totals win when present (read from the batch itself: a split drops them).
+        first = batch if isinstance(batch, dict) else mbs[0]
         tokens = int(first.get("step_loss_tokens", tokens))
         seqs = int(first.get("step_sequences", seqs))
+        if self.ddp is not None:
+            # This rank's totals -> the global batch's, so every rank normalises by it.
+            import torch.distributed as dist
+
+            t = torch.tensor([tokens, seqs], dtype=torch.int64, device=self.device)
+            dist.all_reduce(t)
+            tokens, seqs = (int(v) for v in t.tolist())
         return mbs, tokens, seqs
 
     @staticmethod
@@ -425,9 +458,7 @@ class Learner:
     def _logprobs(self, model: Any, mb: dict[str, Any], entropy: bool):
         """Per-token log-probs (and entropies) in the per-sequence ``(n, L-1)`` layout."""
         packed = _is_packed(mb)
-        out = sequence_logprobs(
-            model,
-            mb["input_ids"],
+        kwargs = dict(
             # Packed rows rely on the restarting position ids for isolation (see logprobs.py).
             attention_mask=None if packed else mb["attention_mask"],
             position_ids=mb["position_ids"],
@@ -437,7 +468,12 @@ class Learner:
             chunk_size=self.chunk_size,
             return_entropy=entropy,
         )
-        logp, ent = out.logprobs, out.entropy
+        if self.ddp is not None and model is self.model and torch.is_grad_enabled():
+            # Through the DDP wrapper, so that backward all-reduces the gradient.
+            logp, ent = self.ddp(mb["input_ids"], **kwargs)
+        else:
+            out = sequence_logprobs(model, mb["input_ids"], **kwargs)
+            logp, ent = out.logprobs, out.entropy
         if packed:
             index, _ = _unpack_index(mb["cu_seqlens"])
             logp = logp[0][index]

@@ -22,12 +22,17 @@ functions of (seed, step, store content); so a run resumed from a checkpoint
 regenerates exactly the rollouts the crashed run had not yet appended (batches it
 had appended are kept and skipped) and then takes exactly the steps the
 uninterrupted run would have taken.
+
+Under ``torchrun --nproc-per-node N`` the same loop runs on N learner ranks (see
+:mod:`trainer.distributed`): rank 0 generates, appends, logs and checkpoints; every rank
+trains on its disjoint share of each step's selection; gradients are all-reduced.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import time
 from dataclasses import dataclass, replace
@@ -43,6 +48,8 @@ from rolloutstore.replay.loader import ReplayDataset
 from .checkpoint import latest_checkpoint, load_checkpoint, publish_weights, save_checkpoint
 from .config import TrainConfig
 from .control import ReplayController
+from .distributed import Dist, batch_view, trace, wrap_learner
+from .distributed import from_env as dist_from_env
 from .generate import generate_rollouts
 from .learner import Learner
 from .tasks import get_task
@@ -284,15 +291,18 @@ def setup_learner(
     task,
     model_dir: Path,
     resume: bool,
+    dist: Dist | None = None,
 ) -> tuple[Learner, ReplayDataset, dict | None]:
     """The learner and its replay loader, shared by the sync and async loops.
 
-    Imports ``[run].sources`` (idempotent), then either restores the newest checkpoint
-    (returned as its state dict) or warm-starts the fresh model.
+    Imports ``[run].sources`` (idempotent; rank 0 only), then either restores the newest
+    checkpoint (returned as its state dict) or warm-starts the fresh model. With ``dist``
+    the loader yields this rank's share of each step and the learner is DDP-wrapped.
     """
     g, r = cfg.generation, cfg.run
+    d = dist or Dist()
     model, tokenizer = load_model(model_dir)
-    if r.sources:
+    if r.sources and d.is_main:
         from .reuse import import_sources
         from .tiny import tokenizer_fingerprint
 
@@ -316,6 +326,7 @@ def setup_learner(
         top_k=g.top_k or None,
         top_p=g.top_p if g.top_p < 1 else None,
         compute_entropy=True,
+        device=d.device,
     )
     loader = ReplayDataset(
         store,
@@ -326,22 +337,31 @@ def setup_learner(
         run_id=run_id,
         prefetch=0,  # the learner version must be read when each batch is drawn
         learner_version=lambda _s: learner.policy_version,
+        rank=d.rank,
+        world_size=d.world_size,
     )
-    if ckpt is None:
-        return learner, loader, None
-    trainer_state, state = load_checkpoint(ckpt, learner.model)
-    learner.load_state_dict(trainer_state["learner"])
-    loader.load_state_dict(state["loader"])
+    state = None
+    if ckpt is not None:
+        trainer_state, state = load_checkpoint(ckpt, learner.model)
+        learner.load_state_dict(trainer_state["learner"])
+        loader.load_state_dict(state["loader"])
+    wrap_learner(learner, d)
     return learner, loader, state
 
 
 # -- fault injection (tests only) ------------------------------------------------------------
 def _fault(where: str) -> None:
-    """SIGKILL this process when ROLLOUTSTORE_FAULT names ``where`` (crash-safety tests)."""
+    """SIGKILL this process when ROLLOUTSTORE_FAULT names ``where`` (crash-safety tests).
+
+    Under torchrun, ROLLOUTSTORE_FAULT_RANK=R limits the fault to rank R.
+    """
     import os
     import signal
 
-    if os.environ.get("ROLLOUTSTORE_FAULT") == where:
+    if os.environ.get("ROLLOUTSTORE_FAULT") != where:
+        return
+    only = os.environ.get("ROLLOUTSTORE_FAULT_RANK")
+    if only is None or only == os.environ.get("RANK", "0"):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -365,25 +385,86 @@ def _run_meta(run_dir: Path, cfg: TrainConfig, resume: bool) -> dict[str, Any]:
     return meta
 
 
-def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> TrainResult:
-    """Run (or resume) the sync replay-RL loop described in the module docstring."""
-    from tqdm.auto import tqdm
+def _check_world_size(run_dir: Path, d: Dist) -> None:
+    """Refuse to resume a run with a different number of learner ranks than wrote it."""
+    ckpt = latest_checkpoint(run_dir)
+    if ckpt is None:
+        return
+    saved = json.loads((ckpt / "state.json").read_text())["loader"].get("world_size", 1)
+    if saved != d.world_size:
+        how = (
+            f"torchrun --nproc-per-node {saved} -m trainer resume {run_dir}"
+            if saved > 1
+            else f"rolloutstore-train resume {run_dir}"
+        )
+        raise RunDirError(
+            f"{ckpt} was written by {saved} learner rank(s), this resume has {d.world_size}: "
+            f"each step's draw is split across ranks, so only the same count continues the "
+            f"same run; resume with `{how}`"
+        )
 
+
+def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> TrainResult:
+    """Run (or resume) the sync replay-RL loop described in the module docstring.
+
+    Under torchrun every rank calls this; only rank 0's result carries the evaluations.
+    """
     if cfg.run.mode == "async":
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise RunDirError(
+                'run.mode = "async" runs one learner process that starts its actors; '
+                "distributed learners (torchrun) run the sync loop only"
+            )
         from .async_train import async_train
 
         return async_train(cfg, resume=resume, progress=progress)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and (
+        cfg.control.enabled or cfg.run.max_generated_tokens
+    ):
+        # Both decide round boundaries from rank 0's generation totals and per-rank
+        # diagnostics; the ranks would need them broadcast to stay in step.
+        raise RunDirError(
+            "[replay.control] and run.max_generated_tokens are single-learner features; "
+            "under torchrun use a fixed run.updates_per_round and run.steps"
+        )
+    d = dist_from_env()
+    try:
+        return _train(cfg, d, resume=resume, progress=progress)
+    finally:
+        d.close()
+
+
+def _train(cfg: TrainConfig, d: Dist, *, resume: bool, progress: bool) -> TrainResult:
+    from tqdm.auto import tqdm
+
+    g, r = cfg.generation, cfg.run
+    if r.batch_size < d.world_size:
+        raise RunDirError(
+            f"run.batch_size = {r.batch_size} is the global batch, split across "
+            f"{d.world_size} learner ranks: use at least one row per rank"
+        )
     run_dir = Path(cfg.run.dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    meta = _run_meta(run_dir, cfg, resume)
+    # Rank 0 creates the run folder, model and store; the others open them after the barrier.
+    if d.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        meta = _run_meta(run_dir, cfg, resume)
+        model_dir = prepare_model(cfg, run_dir)
+        RolloutStore.open(run_dir / "store")
+    d.barrier()
+    if not d.is_main:
+        meta = json.loads((run_dir / "run.json").read_text())
+        model_dir = prepare_model(cfg, run_dir)  # built by rank 0: only resolves the path
+    if resume:
+        _check_world_size(run_dir, d)
     run_id, start_ms = meta["run_id"], meta["start_ms"]
-    model_dir = prepare_model(cfg, run_dir)
     task = get_task(cfg.task.name, **cfg.task.options)
     store = RolloutStore.open(run_dir / "store")
-    g, r = cfg.generation, cfg.run
     backend = resolve_backend(g.backend)
 
-    learner, loader, state = setup_learner(cfg, run_dir, run_id, store, task, model_dir, resume)
+    learner, loader, state = setup_learner(
+        cfg, run_dir, run_id, store, task, model_dir, resume, dist=d
+    )
+    d.barrier()  # rank 0's source imports are in the store before any rank draws
     step, totals = (
         0,
         {"generated_tokens": 0, "generated_rollouts": 0, "gen_seconds": 0.0, "train_seconds": 0.0},
@@ -412,21 +493,25 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> T
         spent = r.max_generated_tokens and totals["generated_tokens"] >= r.max_generated_tokens
         return step >= r.steps or bool(spent and step == next_round)
 
-    policy = LivePolicy(backend, cfg, model_dir, run_dir, run_id)
+    # Rank 0 is the only generator and the only writer of metrics, checkpoints and weights.
+    main = d.is_main
+    policy = LivePolicy(backend, cfg, model_dir, run_dir, run_id) if main else None
     generator = None
-    metrics = Metrics(run_dir)
+    metrics = Metrics(run_dir) if main else None
 
     def sync_generator() -> None:
         nonlocal generator
         generator = policy.sync(learner)
 
-    if first_eval is None:
+    if first_eval is None and main:
         if cfg.task.eval_prompts:
             sync_generator()
         first_eval = evaluate(generator, task, cfg)
         metrics.log("eval", step, {"reward": first_eval, "generated_tokens": 0})
     it = iter(loader)
-    bar = tqdm(total=r.steps, initial=step, desc="train", unit="step", disable=not progress)
+    bar = tqdm(
+        total=r.steps, initial=step, desc="train", unit="step", disable=not (progress and main)
+    )
     last_eval = first_eval
     try:
         while not done():
@@ -444,91 +529,113 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> T
                             loader.load_state_dict(loader.state_dict())
                             it = iter(loader)
                     y = controller.updates
-                sync_generator()
-                summary = generate_rollouts(
-                    store,
-                    model=generator,
-                    task=task,
-                    prompts=task.make_prompts(g.prompts_per_round, seed=r.seed * 1_000_003 + rnd),
-                    group_size=g.group_size,
-                    policy_version=learner.policy_version,
-                    backend="hf",
-                    temperature=g.temperature,
-                    top_p=g.top_p,
-                    top_k=g.top_k,
-                    max_tokens=g.max_tokens,
-                    seed=r.seed * 1_000_003 + rnd,
-                    batch_prompts=g.batch_prompts,
-                    run_id=run_id,
-                    policy_id=run_id,
-                    progress=False,
-                    id_namespace=f"{run_id}/r{rnd}",
-                    id_time_ms=start_ms,
-                    on_append=lambda b, rnd=rnd: _fault(f"generate:{rnd}:{b}"),
-                )
-                totals["generated_tokens"] += summary.tokens
-                totals["generated_rollouts"] += summary.rollouts
-                totals["gen_seconds"] += summary.seconds
-                if controller is not None:
-                    controller.observe_round_reward(summary.mean_reward)
-                metrics.log(
-                    "generate",
-                    step,
-                    {
-                        "round": rnd,
-                        "rollouts": summary.rollouts,
-                        "tokens": summary.tokens,
-                        "reward": summary.mean_reward,
-                        "seconds": summary.seconds,
-                        "store_version": summary.store_version,
-                    },
-                )
+                if main:
+                    sync_generator()
+                    summary = _generation_round(
+                        cfg, store, task, generator, learner.policy_version, step, rnd, run_id,
+                        start_ms, totals, metrics,
+                    )  # fmt: skip
+                    if controller is not None:
+                        controller.observe_round_reward(summary.mean_reward)
+                d.barrier()  # every rank draws from the store version with this round in it
                 next_round, rnd = step + y, rnd + 1
             t0 = time.perf_counter()
             batch = next(it)
             m = learner.step(batch)
             totals["train_seconds"] += time.perf_counter() - t0
             step += 1
-            stale = batch["staleness"].numpy()
+            trace(d, step, batch, learner.model)
+            view = batch_view(d, batch)  # the global batch's rewards, staleness, run ids
             m.update(
-                reward=float(batch["rewards"].mean()),
+                reward=float(view["rewards"].mean()),
                 replay_ratio=(controller.updates if controller else r.updates_per_round)
                 * r.batch_size
                 / (g.prompts_per_round * g.group_size),
                 staleness_hist={
-                    int(k): int(v) for k, v in zip(*np.unique(stale, return_counts=True))
+                    int(k): int(v)
+                    for k, v in zip(*np.unique(view["staleness"], return_counts=True))
                 },
                 store_version=int(batch["store_version"]),
-                from_earlier_runs=float(np.mean([x != run_id for x in batch["run_ids"]])),
+                from_earlier_runs=float(np.mean(view["run_ids"] != run_id)),
+                learner_ranks=d.world_size,
                 **totals,
             )
             if controller is not None:
                 controller.observe_step(m)
                 m.update(updates_per_round=controller.updates, fresh_fraction=controller.fresh)
-            metrics.log("train", step, m)
+            if main:
+                metrics.log("train", step, m)
             _fault(f"step:{step}")
             bar.update(1)
             bar.set_postfix(reward=f"{m['reward']:.2f}", loss=f"{m['loss']:.3f}")
-            if (r.eval_every and step % r.eval_every == 0) or done():
+            if main and ((r.eval_every and step % r.eval_every == 0) or done()):
                 if cfg.task.eval_prompts:
                     sync_generator()
                 last_eval = evaluate(generator, task, cfg)
                 metrics.log("eval", step, {"reward": last_eval, **totals})
                 bar.write(f"step {step}: eval reward {last_eval:.3f} (start {first_eval:.3f})")
             if step % r.checkpoint_every == 0 or done():
-                schedule = {
-                    "next_round_step": next_round,
-                    "round": rnd,
-                    "control": controller.state_dict() if controller is not None else None,
-                }
-                save_run_checkpoint(
-                    run_dir, step, cfg, learner, loader, store, totals, first_eval, schedule
-                )
-        publish_weights(
-            run_dir / "weights", learner.policy_version, learner.model, template=model_dir
-        )
+                d.check_replicas(learner.model)  # also the barrier before rank 0 saves
+                if main:
+                    schedule = {
+                        "next_round_step": next_round,
+                        "round": rnd,
+                        "control": controller.state_dict() if controller is not None else None,
+                    }
+                    save_run_checkpoint(
+                        run_dir, step, cfg, learner, loader, store, totals, first_eval, schedule
+                    )
+        if main:
+            publish_weights(
+                run_dir / "weights", learner.policy_version, learner.model, template=model_dir
+            )
     finally:
         bar.close()
-        metrics.close()
-        policy.close()
+        if main:
+            metrics.close()
+            policy.close()
     return TrainResult(run_dir, run_dir / "store", step, first_eval, last_eval)
+
+
+def _generation_round(
+    cfg, store, task, generator, policy_version, step, rnd, run_id, start_ms, totals, metrics
+):
+    """Round ``rnd`` (due at learner step ``step``): generate with ``generator`` and append."""
+    g, r = cfg.generation, cfg.run
+    summary = generate_rollouts(
+        store,
+        model=generator,
+        task=task,
+        prompts=task.make_prompts(g.prompts_per_round, seed=r.seed * 1_000_003 + rnd),
+        group_size=g.group_size,
+        policy_version=policy_version,
+        backend="hf",
+        temperature=g.temperature,
+        top_p=g.top_p,
+        top_k=g.top_k,
+        max_tokens=g.max_tokens,
+        seed=r.seed * 1_000_003 + rnd,
+        batch_prompts=g.batch_prompts,
+        run_id=run_id,
+        policy_id=run_id,
+        progress=False,
+        id_namespace=f"{run_id}/r{rnd}",
+        id_time_ms=start_ms,
+        on_append=lambda b: _fault(f"generate:{rnd}:{b}"),
+    )
+    totals["generated_tokens"] += summary.tokens
+    totals["generated_rollouts"] += summary.rollouts
+    totals["gen_seconds"] += summary.seconds
+    metrics.log(
+        "generate",
+        step,
+        {
+            "round": rnd,
+            "rollouts": summary.rollouts,
+            "tokens": summary.tokens,
+            "reward": summary.mean_reward,
+            "seconds": summary.seconds,
+            "store_version": summary.store_version,
+        },
+    )
+    return summary
