@@ -270,3 +270,34 @@ def _bar(total: int, enabled: bool):
     from tqdm import tqdm
 
     return tqdm(total=total, unit="rollout", desc="rescore", disable=not enabled)
+
+
+def apply_rewards(t: pa.Table, overlay: pa.Table | None) -> pa.Table:
+    """``t`` with reward/advantage replaced where ``overlay`` has the rollout, plus
+    a ``reward_version`` column (0: the values the rollout was written with)."""
+    n = t.num_rows
+    if overlay is None or n == 0:
+        return t.append_column("reward_version", pa.array(np.zeros(n, np.int64)))
+    pos = pa.compute.index_in(t["rollout_id"], value_set=overlay["rollout_id"])
+    hit = pos.is_valid()
+    cols = {}
+    for name in ("reward", "advantage"):
+        if name not in t.column_names:
+            continue
+        new = overlay[name].take(pos).cast(t.schema.field(name).type)
+        cols[name] = pa.compute.if_else(hit, new, t[name])
+    version = pa.compute.if_else(hit, overlay["reward_version"].take(pos), pa.scalar(0, pa.int64()))
+    for name, col in cols.items():
+        t = t.set_column(t.schema.get_field_index(name), name, col)
+    return t.append_column("reward_version", version)
+
+
+def newest_rewards(store: RolloutStore) -> pa.Table | None:
+    """Each re-scored rollout's newest (rollout_id, reward_version, reward, advantage), or None."""
+    from .sql import REWARDS_NEWEST_SQL
+
+    rewards = store._rewards()
+    if not isinstance(rewards, lance.LanceDataset):
+        return None
+    t = store.sql(REWARDS_NEWEST_SQL.format(where=""))
+    return t if t.num_rows else None

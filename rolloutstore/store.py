@@ -369,6 +369,7 @@ class RolloutStore:
         return EvictResult(before - after.count_rows(), after.count_rows(), after.version)
 
     def _evict_diverse(self, ds, keep, config, before, min_policy_version) -> EvictResult:
+        from .rescore import apply_rewards, newest_rewards
         from .retention import plan_retention, read_rows, rule_mask
 
         if keep is None:
@@ -382,7 +383,8 @@ class RolloutStore:
                     f"got {type(config).__name__}"
                 )
             config = RetentionConfig()
-        table = read_rows(ds)
+        # "Correct" answers are judged by each rollout's newest re-scoring.
+        table = apply_rewards(read_rows(ds), newest_rewards(self))
         dropped = rule_mask(table, before=before, min_policy_version=min_policy_version)
         plan = plan_retention(table, keep, config, dropped=dropped)
         if plan.delete is not None:

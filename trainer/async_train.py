@@ -27,8 +27,9 @@ Actor K, top to bottom:
 
     repeat until RUN_DIR/STOP exists (or the learner that started it is gone):
         if LATEST names a newer version than the loaded one: load it (HF: the safetensors
-        state dict into the generator's model; vLLM: restart the engine from the folder,
-        then check its log-probs against a teacher-forced recomputation)
+        state dict into the generator's model; vLLM: load it into the running engine in
+        place, then check its log-probs against a teacher-forced recomputation; restart
+        the engine from the folder only if that check fails)
         if this version has already produced `ahead` rounds, wait for newer weights
         generate round r: prompts and seeds are functions of (run seed, K, r), rollout ids of
         (run id, K, r, batch), appended in atomic batches; then record r + 1 in a{K}.json
@@ -83,6 +84,7 @@ from .train import (
     save_run_checkpoint,
     setup_learner,
 )
+from .vllm_update import VERIFY_TOLERANCE  # no vLLM import: safe without vLLM
 
 PUBLISH_EVERY = 1  # learner steps between published weights
 POLL_SECONDS = 0.2  # sleep while waiting for rows (learner) or weights (actor)
@@ -90,7 +92,6 @@ MAX_RESTARTS = 5  # per actor; a crash loop (e.g. a vLLM log-prob mismatch) stop
 JOIN_SECONDS = 120.0  # how long the learner lets actors finish their round after STOP
 FAULT_ENV = "ROLLOUTSTORE_ACTOR_FAULT"  # "K:R": actor K SIGKILLs itself in round R (tests)
 PARENT_ENV = "ROLLOUTSTORE_LEARNER_PID"  # actors started by a learner exit when it is gone
-VERIFY_TOLERANCE = 1e-3  # vLLM vs teacher-forced log-prob gap that refuses a weight update
 # Scale-out (README "Scaling out"): the store and the weights on an object store, read by the
 # learner and by every actor; storage options (Lance keys) as a JSON object.
 STORE_ENV = "ROLLOUTSTORE_STORE_URI"

@@ -243,3 +243,24 @@ def test_cli_rescore_with_task_options(store, capsys):
     rc = main(["rescore", store.uri, "--task", "arith", "--where", "x) OR (1=1", "-q"])
     assert rc == 2 and "error:" in capsys.readouterr().err
     assert store.sql("SELECT max(reward_version) AS v FROM rewards")["v"][0].as_py() == 1
+
+
+class NothingCorrect(ArithTask):
+    """A stricter reward function under which no stored answer is correct."""
+
+    def reward(self, prompt, completion_text):
+        return RewardResult(0.0, {})
+
+
+def test_diversity_eviction_judges_correct_answers_by_the_newest_rewards(store):
+    from rolloutstore.retention import RetentionConfig
+
+    cfg = RetentionConfig(correct_threshold=0.5)
+    q = "SELECT count(DISTINCT prompt_id) AS n FROM rollouts WHERE reward > 0.5"
+    correct = store.sql(q)["n"][0].as_py()
+    before = store.evict(keep_last=store.count(), preserve_diversity=cfg).coverage.before
+    assert correct > 0 and before.total["correct"] == correct
+    store.rescore(NothingCorrect())
+    report = store.evict(keep_last=20, preserve_diversity=cfg).coverage
+    assert report.before.total["correct"] == 0  # the re-scoring, not the stored column
+    assert store.count() == 20
