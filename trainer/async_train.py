@@ -83,6 +83,7 @@ from .train import (
     prepare_model,
     save_run_checkpoint,
     setup_learner,
+    store_location,
 )
 from .vllm_update import VERIFY_TOLERANCE  # no vLLM import: safe without vLLM
 
@@ -210,8 +211,7 @@ def async_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True
     run_id = meta["run_id"]
     model_dir = prepare_model(cfg, run_dir)
     task = get_task(cfg.task.name, **cfg.task.options)
-    options = storage_options_from_env()
-    store_uri = os.environ.get(STORE_ENV) or str(run_dir / "store")
+    store_uri, options = store_location(cfg, run_dir)
     store = RolloutStore.open(store_uri, storage_options=options)
     r = cfg.run
 
@@ -224,7 +224,7 @@ def async_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True
         step, first_eval = state["step"], state.get("first_eval")
         totals.update({k: v for k, v in state["totals"].items() if k in totals})
 
-    weights_dir = os.environ.get(WEIGHTS_ENV) or run_dir / "weights"
+    weights_dir = cfg.run.weights or os.environ.get(WEIGHTS_ENV) or run_dir / "weights"
     # Standalone actors (other machines) learn the run's identity from the weights location.
     write_text(weights_dir, "run.json", json.dumps(meta), options)
     remove_text(weights_dir, "STOP", options)
@@ -496,16 +496,17 @@ def _actor_source(
         run_dir = Path(source).resolve()
         meta = json.loads((run_dir / "run.json").read_text())
         cfg = TrainConfig.from_dict(meta["config"])
-        weights = weights_dir or os.environ.get(WEIGHTS_ENV) or run_dir / "weights"
-        store = store_uri or os.environ.get(STORE_ENV) or str(run_dir / "store")
+        weights = weights_dir or cfg.run.weights or os.environ.get(WEIGHTS_ENV)
+        weights = weights or run_dir / "weights"
+        store = store_uri or cfg.run.store or os.environ.get(STORE_ENV) or str(run_dir / "store")
         return cfg, meta, store, weights, Path(state_dir or run_dir / "actors"), run_dir
     cfg = source if isinstance(source, TrainConfig) else TrainConfig.load(source)
-    weights = weights_dir or os.environ.get(WEIGHTS_ENV)
-    store = store_uri or os.environ.get(STORE_ENV)
+    weights = weights_dir or cfg.run.weights or os.environ.get(WEIGHTS_ENV)
+    store = store_uri or cfg.run.store or os.environ.get(STORE_ENV)
     if not weights or not store:
         raise ConfigError(
             f"a standalone actor needs the shared store and weights: pass --store URI and "
-            f"--learner-weights URI (or set ${STORE_ENV} / ${WEIGHTS_ENV}); got store={store!r}, "
+            f"--learner-weights URI (or [run] store / weights, or ${STORE_ENV} / ${WEIGHTS_ENV}); got store={store!r}, "
             f"weights={weights!r}"
         )
     text = read_text(weights, "run.json", options)

@@ -106,6 +106,16 @@ class RunConfig:
     warm_start_lr: float = _h("learning rate of the warm start", 1e-3)
     eval_every: int = _h("learner steps between evaluations (0: only at the end)", 10)
     id_time_ms: int = _h("time field of rollout ids, ms since epoch (0: the run's start)", 0)
+    store: str = _h(
+        "rollout store URI, e.g. s3://bucket/run/store (empty: $ROLLOUTSTORE_STORE_URI, "
+        "else RUN_DIR/store; async mode and actors)",
+        "",
+    )
+    weights: str = _h(
+        "published weights location, e.g. s3://bucket/run/weights (empty: "
+        "$ROLLOUTSTORE_WEIGHTS_URI, else RUN_DIR/weights; async mode and actors)",
+        "",
+    )
     sources: tuple[str, ...] = _h("earlier run (or store) folders whose rollouts are replayed", ())
     max_generated_tokens: int = _h(
         "sync: stop at the first round boundary with this many tokens generated (0: off)", 0

@@ -58,7 +58,7 @@ from .tasks import get_task
 @dataclass(frozen=True)
 class TrainResult:
     run_dir: Path
-    store: Path
+    store: str  # URI: a local folder or s3://...
     steps: int
     first_eval: float | None
     last_eval: float | None
@@ -224,6 +224,15 @@ def save_run_checkpoint(
         },
         keep=cfg.run.keep_checkpoints,
     )
+
+
+def store_location(cfg: TrainConfig, run_dir: Path) -> tuple[str, dict[str, str] | None]:
+    """The run's store URI and storage options: [run] store, $ROLLOUTSTORE_STORE_URI, or
+    RUN_DIR/store; options from $ROLLOUTSTORE_STORAGE_OPTIONS (credentials stay out of configs)."""
+    from .async_train import STORE_ENV, storage_options_from_env
+
+    uri = cfg.run.store or os.environ.get(STORE_ENV) or str(run_dir / "store")
+    return uri, storage_options_from_env()
 
 
 def resolve_backend(name: str) -> str:
@@ -444,12 +453,13 @@ def _train(cfg: TrainConfig, d: Dist, *, resume: bool, progress: bool) -> TrainR
             f"{d.world_size} learner ranks: use at least one row per rank"
         )
     run_dir = Path(cfg.run.dir)
+    store_uri, options = store_location(cfg, run_dir)
     # Rank 0 creates the run folder, model and store; the others open them after the barrier.
     if d.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         meta = _run_meta(run_dir, cfg, resume)
         model_dir = prepare_model(cfg, run_dir)
-        RolloutStore.open(run_dir / "store")
+        RolloutStore.open(store_uri, storage_options=options)
     d.barrier()
     if not d.is_main:
         meta = json.loads((run_dir / "run.json").read_text())
@@ -458,7 +468,7 @@ def _train(cfg: TrainConfig, d: Dist, *, resume: bool, progress: bool) -> TrainR
         _check_world_size(run_dir, d)
     run_id, start_ms = meta["run_id"], meta["start_ms"]
     task = get_task(cfg.task.name, **cfg.task.options)
-    store = RolloutStore.open(run_dir / "store")
+    store = RolloutStore.open(store_uri, storage_options=options)
     backend = resolve_backend(g.backend)
 
     learner, loader, state = setup_learner(
@@ -594,7 +604,7 @@ def _train(cfg: TrainConfig, d: Dist, *, resume: bool, progress: bool) -> TrainR
         if main:
             metrics.close()
             policy.close()
-    return TrainResult(run_dir, run_dir / "store", step, first_eval, last_eval)
+    return TrainResult(run_dir, store_uri, step, first_eval, last_eval)
 
 
 def _generation_round(

@@ -9,13 +9,11 @@ bit-for-bit the uninterrupted run while y changes.
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import run_draws, trainer_cli
 
 from rolloutstore import RolloutStore
 from trainer.config import ConfigError, TrainConfig
@@ -230,26 +228,6 @@ def test_sync_run_with_a_tight_kl_target_walks_y_down_and_logs_each_decision(tmp
     assert paths["control.png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def _cli(*args, fault: str | None = None) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    if fault:
-        env["ROLLOUTSTORE_FAULT"] = fault
-    return subprocess.Popen(
-        [sys.executable, "-m", "trainer", *args, "-q"],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-
-
-def _draws(run_dir: Path) -> list[tuple]:
-    store = RolloutStore.open(run_dir / "store", create=False)
-    rows = store.sql("SELECT DISTINCT learner_step, rollout_id FROM usage ORDER BY 1, 2")
-    return [tuple(r.values()) for r in rows.to_pylist()]
-
-
 def _write_cfg(d: Path, steps: int) -> Path:
     d.mkdir()
     data = _small(d / "run", steps, **TIGHT)
@@ -274,7 +252,7 @@ def _write_cfg(d: Path, steps: int) -> Path:
 @pytest.mark.slow
 def test_sigkill_and_resume_with_the_controller_equal_the_uninterrupted_run(tmp_path):
     steps = 8
-    ref = _cli("train", str(_write_cfg(tmp_path / "ref", steps)))
+    ref = trainer_cli("train", str(_write_cfg(tmp_path / "ref", steps)))
     _, err = ref.communicate(timeout=600)
     assert ref.returncode == 0, err
     final = f"checkpoints/step-{steps:09d}/model.safetensors"
@@ -285,14 +263,14 @@ def test_sigkill_and_resume_with_the_controller_equal_the_uninterrupted_run(tmp_
     # between checkpoint 4 and the next decision, so the round's partial signals must resume.
     for i, fault in enumerate(["generate:3:0", "step:5"]):
         d = tmp_path / f"crash{i}"
-        crash = _cli("train", str(_write_cfg(d, steps)), fault=fault)
+        crash = trainer_cli("train", str(_write_cfg(d, steps)), fault=fault)
         crash.communicate(timeout=600)
         assert crash.returncode == -signal.SIGKILL, fault
-        resumed = _cli("resume", str(d / "run"))
+        resumed = trainer_cli("resume", str(d / "run"))
         _, err = resumed.communicate(timeout=600)
         assert resumed.returncode == 0, err
         assert (d / "run" / final).read_bytes() == want, fault
-        assert _draws(d / "run") == _draws(tmp_path / "ref" / "run"), fault
+        assert run_draws(d / "run") == run_draws(tmp_path / "ref" / "run"), fault
         # The decisions after resume are the uninterrupted run's (duplicates from the replayed
         # stretch aside): same steps, same values, same inputs.
         got = {c["step"]: c for c in _records(d / "run", "control")}

@@ -147,3 +147,34 @@ def test_storage_options_from_the_environment(monkeypatch):
         monkeypatch.setenv(OPTIONS_ENV, bad)
         with pytest.raises(ConfigError, match=OPTIONS_ENV):
             storage_options_from_env()
+
+
+def test_sync_run_with_its_store_on_s3(tmp_path, s3_bucket, monkeypatch):
+    """`[run] store = "s3://..."`: generation appends, selection, loading and usage all go
+    through the object store; nothing is written to RUN_DIR/store."""
+    from trainer.async_train import OPTIONS_ENV
+    from trainer.train import train
+
+    uri, options = s3_bucket
+    monkeypatch.setenv(OPTIONS_ENV, json.dumps(options))
+    text = CONFIG.replace('mode = "async"', "steps = 4\nupdates_per_round = 2\nbatch_size = 8")
+    text = text.replace("RUN", str(tmp_path / "run"))
+    cfg = TrainConfig.from_dict(
+        {
+            **{k: v for k, v in _toml(text).items() if k != "run"},
+            "run": {**_toml(text)["run"], "store": f"{uri}/store", "checkpoint_every": 2},
+            "task": {**_toml(text)["task"], "eval_prompts": 0},
+        }
+    )
+    result = train(cfg, progress=False)
+    assert result.store == f"{uri}/store" and not (tmp_path / "run" / "store").exists()
+    store = RolloutStore.open(result.store, storage_options=options, create=False)
+    assert store.count() == 2 * PROMPTS * GROUP  # two rounds of 6 prompts x 4 samples
+    steps = store.sql("SELECT DISTINCT learner_step FROM usage ORDER BY 1")["learner_step"]
+    assert steps.to_pylist() == [0, 1, 2, 3]  # every learner step drew from the S3 store
+
+
+def _toml(text: str) -> dict:
+    import tomllib
+
+    return tomllib.loads(text)

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 import random
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import run_draws, trainer_cli
 
 from rolloutstore import RolloutStore
 from trainer.config import ConfigError, TrainConfig
@@ -97,33 +95,6 @@ def _long_prompts(path: Path, n: int = 12) -> None:
             f.write(json.dumps({"prompt": f"{notes}\nQ: {a}+{b} =", "answer": str(a + b)}) + "\n")
 
 
-def _cli(*args, fault: str | None = None, **kw) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    if fault:
-        env["ROLLOUTSTORE_FAULT"] = fault
-    return subprocess.Popen(
-        [sys.executable, "-m", "trainer", *args, "-q"],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        **kw,
-    )
-
-
-def _draws(run_dir: Path) -> dict[int, list[str]]:
-    t = (
-        RolloutStore.open(run_dir / "store", create=False)
-        .sql("SELECT DISTINCT learner_step, rollout_id FROM usage ORDER BY 1, 2")
-        .to_pylist()
-    )
-    out: dict[int, list[str]] = {}
-    for r in t:
-        out.setdefault(r["learner_step"], []).append(r["rollout_id"])
-    return out
-
-
 def test_config_errors_name_the_key(tmp_path):
     with pytest.raises(ConfigError, match=r"\[run\]\.stpes: unknown key"):
         TrainConfig.from_dict({"run": {"stpes": 3}})
@@ -139,7 +110,7 @@ def test_config_errors_name_the_key(tmp_path):
     assert TrainConfig.from_dict(cfg.to_dict()) == cfg
     bad = tmp_path / "bad.toml"
     bad.write_text("[run]\nsteps = -1\n")
-    p = _cli("train", str(bad))
+    p = trainer_cli("train", str(bad))
     _, err = p.communicate(timeout=120)
     assert p.returncode == 2 and "[run]: steps must be >= 1" in err
 
@@ -165,16 +136,16 @@ def test_sigkill_and_resume_equal_the_uninterrupted_run(tmp_path, template, faul
         d.mkdir()
         cfg = template.format(dir=d / "run", steps=steps, long=tmp_path / "long.jsonl")
         (d / "cfg.toml").write_text(cfg)
-    ref = _cli("train", str(ref_dir / "cfg.toml"))
+    ref = trainer_cli("train", str(ref_dir / "cfg.toml"))
     out, err = ref.communicate(timeout=600)
     assert ref.returncode == 0, err
 
-    crash = _cli("train", str(crash_dir / "cfg.toml"), fault=fault)
+    crash = trainer_cli("train", str(crash_dir / "cfg.toml"), fault=fault)
     crash.communicate(timeout=600)
     assert crash.returncode == -signal.SIGKILL  # it really died mid-run
     done = sorted(p.name for p in (crash_dir / "run" / "checkpoints").iterdir())
     assert done[-1] < f"step-{steps:09d}", done
-    resumed = _cli("resume", str(crash_dir / "run"))
+    resumed = trainer_cli("resume", str(crash_dir / "run"))
     out, err = resumed.communicate(timeout=600)
     assert resumed.returncode == 0, err
 
@@ -183,7 +154,7 @@ def test_sigkill_and_resume_equal_the_uninterrupted_run(tmp_path, template, faul
     want = (ref_dir / "run" / final).read_bytes()
     assert (ref_dir / "run" / before).read_bytes() != want  # training moved the weights
     assert (crash_dir / "run" / final).read_bytes() == want
-    assert _draws(ref_dir / "run") == _draws(crash_dir / "run")
+    assert run_draws(ref_dir / "run") == run_draws(crash_dir / "run")
     # Nothing lost or duplicated in the store: the same rollouts, once each.
     ids = [
         RolloutStore.open(d / "run" / "store")
@@ -195,7 +166,7 @@ def test_sigkill_and_resume_equal_the_uninterrupted_run(tmp_path, template, faul
     if template is LONG:  # the long-context case really ran on long, token-capped batches
         store = RolloutStore.open(crash_dir / "run" / "store")
         assert store.sql("SELECT min(num_prompt_tokens) AS n FROM rollouts")["n"][0].as_py() > 1000
-        per_step = [len(v) for v in _draws(crash_dir / "run").values()]
+        per_step = [len(v) for v in run_draws(crash_dir / "run").values()]
         assert max(per_step) < 8  # the 5000-token cap, not batch_size, bounded each step
 
 
