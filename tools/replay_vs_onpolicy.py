@@ -70,7 +70,8 @@ LABELS = {
 }
 # The controller of arm (d): y in [1, 4] from 2; back off when the last round's mean ESS
 # fraction < 0.9, clip fraction > 0.1 (eps 0.2/0.28 clips a few % even near on-policy) or
-# approx KL(mu -> pi) > 0.05, or the on-policy reward fell > 0.05 over 4 rounds.
+# approx KL(mu -> pi) > 0.05, or the on-policy reward fell > 0.05 over 6 rounds by more than
+# 2 standard errors of the fit (round-to-round noise is not a fall).
 CONTROL = {
     "enabled": True,
     "min_updates": 1,
@@ -78,8 +79,9 @@ CONTROL = {
     "target_ess": 0.9,
     "max_clip": 0.1,
     "max_kl": 0.05,
-    "reward_window": 4,
+    "reward_window": 6,
     "reward_drop": 0.05,
+    "reward_z": 2.0,
 }
 PAPER = "https://arxiv.org/abs/2604.08706"
 

@@ -389,6 +389,7 @@ class _VLLMPolicy:
         self.gen = None
         self.last_gap: float | None = None  # of the newest verification
         self.restarts = 0  # engine starts, the first included
+        self.in_place = 0  # versions loaded into the running engine
 
     def load(self, version: int, folder: Path):
         """Load the published ``folder`` of ``version`` (FileNotFoundError if it was pruned)."""
@@ -422,6 +423,7 @@ class _VLLMPolicy:
             print(f"policy version {version}: {exc}; restarting the engine", flush=True)
             return self._restart(version, folder())
         self.last_gap = u.gap
+        self.in_place += 1
         if self.verbose:
             print(
                 f"policy version {version}: updated in place and verified (max log-prob gap "

@@ -19,7 +19,8 @@ The rule, applied once per round to the means over that round's learner steps:
 1. **Too off-policy** when any of: ESS fraction < ``target_ess``; clip fraction > ``max_clip``;
    approx KL > ``max_kl``; mean batch staleness > ``max_staleness`` (when set); the on-policy
    reward of the last ``reward_window`` generation rounds falls (least-squares slope times
-   ``reward_window - 1`` < ``-reward_drop``). Then make replay more on-policy at once: lower
+   ``reward_window - 1`` < ``-reward_drop``, and below ``-reward_z`` standard errors of that
+   fitted change, so that round-to-round sampling noise does not count as a fall). Then make replay more on-policy at once: lower
    ``y`` by ``updates_step``, or, when ``y`` is already at ``min_updates`` (or only
    ``fresh_fraction`` is controlled), raise ``fresh_fraction`` by ``fresh_step``.
 2. **Comfortable** when every signal is well inside its target: ``1 - ESS <= margin *
@@ -73,8 +74,11 @@ class ControlConfig:
     max_staleness: float | None = _h(
         "back off when mean batch staleness is above (None: off)", None
     )
-    reward_window: int = _h("generation rounds over which the reward trend is fitted", 4)
+    reward_window: int = _h("generation rounds over which the reward trend is fitted", 6)
     reward_drop: float = _h("back off when the fitted reward falls more than this", 0.05)
+    reward_z: float = _h(
+        "... and by more than this many standard errors of the fit (0: ignore noise)", 2.0
+    )
     margin: float = _h("comfortable = every signal within margin x its target (hysteresis)", 0.5)
     patience: int = _h("comfortable rounds in a row before replaying more aggressively", 2)
     min_fresh: float = _h("lower bound of fresh_fraction", 0.0)
@@ -102,6 +106,8 @@ class ControlConfig:
                 raise ValueError(f"{f.name} must be finite, got {v!r}")
         if not 0.0 < self.target_ess < 1.0:
             raise ValueError(f"target_ess must be in (0, 1), got {self.target_ess!r}")
+        if not self.reward_z >= 0:
+            raise ValueError(f"reward_z must be >= 0, got {self.reward_z!r}")
         for name in ("max_clip", "max_kl", "reward_drop", "fresh_step"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
@@ -149,11 +155,25 @@ class Decision:
 
 def reward_trend(rewards: list[float]) -> float:
     """Least-squares change of ``rewards`` over their span (slope x (n - 1)); 0 for n < 2."""
-    ys = [r for r in rewards if math.isfinite(r)]
-    if len(ys) < 2:
-        return 0.0
-    slope = np.polyfit(np.arange(len(ys), dtype=np.float64), np.asarray(ys, np.float64), 1)[0]
-    return float(slope) * (len(ys) - 1)
+    return reward_trend_se(rewards)[0]
+
+
+def reward_trend_se(rewards: list[float]) -> tuple[float, float]:
+    """(least-squares change over the span, its standard error from the fit's residuals).
+
+    The error is ``inf`` with fewer than 3 points (no residual degrees of freedom).
+    """
+    ys = np.asarray([r for r in rewards if math.isfinite(r)], np.float64)
+    n = len(ys)
+    if n < 2:
+        return 0.0, math.inf
+    x = np.arange(n, dtype=np.float64)
+    slope, icept = np.polyfit(x, ys, 1)
+    if n < 3:
+        return float(slope) * (n - 1), math.inf
+    resid = ys - (slope * x + icept)
+    se_slope = math.sqrt(float(resid @ resid) / (n - 2) / float(((x - x.mean()) ** 2).sum()))
+    return float(slope) * (n - 1), se_slope * (n - 1)
 
 
 class ReplayController:
@@ -195,7 +215,9 @@ class ReplayController:
             for k in SIGNALS
         }
         full = len(self.rewards) >= self.cfg.reward_window
-        out["reward_trend"] = reward_trend(self.rewards) if full else None
+        trend, se = reward_trend_se(self.rewards) if full else (None, None)
+        out["reward_trend"] = trend
+        out["reward_trend_se"] = se if se is None or math.isfinite(se) else None
         out["steps"] = float(self.count)
         return out
 
@@ -254,8 +276,15 @@ class ReplayController:
                 )
             )
         if trend is not None:
-            falling = trend < -c.reward_drop
-            checks.append((falling, not falling, f"reward trend {trend:+.3f} < -{c.reward_drop}"))
+            # A fall counts only when it exceeds reward_drop and is not within the noise of
+            # the round rewards (z standard errors of the fitted change).
+            se = s.get("reward_trend_se")
+            noise = c.reward_z * se if se is not None else 0.0  # < 3 rounds: no noise estimate
+            falling = trend < -max(c.reward_drop, noise)
+            why = f"reward trend {trend:+.3f} < -{c.reward_drop}"
+            if se is not None:
+                why += f" and < -{c.reward_z} x se {se:.3f}"
+            checks.append((falling, not falling, why))
         bad = [why for too_far, _, why in checks if too_far]
         return bad, bool(checks) and all(ok for _, ok, _ in checks)
 

@@ -260,6 +260,7 @@ class LivePolicy:
         self.run_id = run_id
         self.gen = None
         self.version: int | None = None
+        self.events: list[dict] = []  # vLLM: one per new version (verification and how loaded)
         if backend == "hf":
             from .hf_generate import HFGenerator
 
@@ -284,6 +285,14 @@ class LivePolicy:
                 )
 
             self.gen = self.vllm.update(v, learner.model.state_dict(), publish)
+            self.events.append(
+                {
+                    "policy_version": v,
+                    "max_logprob_gap": self.vllm.last_gap,
+                    "engine_starts": self.vllm.restarts,
+                    "in_place_updates": self.vllm.in_place,
+                }
+            )
         self.version = v
         return self.gen
 
@@ -512,6 +521,9 @@ def _train(cfg: TrainConfig, d: Dist, *, resume: bool, progress: bool) -> TrainR
     def sync_generator() -> None:
         nonlocal generator
         generator = policy.sync(learner)
+        for event in policy.events:  # vLLM: each verified weight update, logged
+            metrics.log("weights", step, event)
+        policy.events.clear()
 
     if first_eval is None and main:
         if cfg.task.eval_prompts:

@@ -17,7 +17,7 @@ from helpers import run_draws, trainer_cli
 
 from rolloutstore import RolloutStore
 from trainer.config import ConfigError, TrainConfig
-from trainer.control import ControlConfig, ReplayController, reward_trend
+from trainer.control import ControlConfig, ReplayController, reward_trend, reward_trend_se
 
 ROOT = Path(__file__).parents[2]
 
@@ -109,6 +109,28 @@ def test_signals_are_round_means_and_reward_trend_needs_a_full_window():
     c.decide(1)
     assert c.signals()["ess_frac"] is None  # the round's sums are reset by a decision
     assert reward_trend([0.1, 0.3, 0.2, 0.4]) == pytest.approx(0.24)  # LSQ slope 0.08 x 3
+
+
+def test_a_reward_fall_within_round_noise_is_not_a_fall():
+    noisy = [0.60, 0.45, 0.62, 0.40, 0.58, 0.42]  # falls, but within its round-to-round noise
+    steady = [0.60, 0.57, 0.54, 0.51, 0.48, 0.45]  # the same kind of fall, without the noise
+    trend, se = reward_trend_se(noisy)
+    assert trend < -0.05 and se > 0.05
+    for rewards, verdict in ((noisy, "hold"), (steady, "back_off")):
+        c = _ctl(reward_window=6, reward_drop=0.05, reward_z=2.0)
+        for _ in range(2):
+            c.observe_step({"ess_frac": 0.96, "clip_frac_low": 0.02, "approx_kl": 0.008})
+        for r in rewards:
+            c.observe_round_reward(r)
+        d = c.decide(1)
+        assert d.verdict == verdict, (rewards, d.reason)
+        assert d.record()["in_reward_trend_se"] == pytest.approx(reward_trend_se(rewards)[1])
+    # reward_z = 0 restores the plain threshold: the noisy fall backs off too.
+    c = _ctl(reward_window=6, reward_drop=0.05, reward_z=0.0)
+    c.observe_step({"ess_frac": 0.96, "clip_frac_low": 0.02, "approx_kl": 0.008})
+    for r in noisy:
+        c.observe_round_reward(r)
+    assert c.decide(1).verdict == "back_off"
 
 
 def test_state_dict_round_trip_decides_identically():
