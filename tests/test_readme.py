@@ -39,7 +39,9 @@ def test_cli_tour_runs_as_written(tmp_path):
     assert "ORDER BY policy_version DESC" in out["rolloutstore sample"][1]
     assert "exported 2000 rows" in out["rolloutstore export"][0]
     assert "ingested 2000 rollouts" in out["rolloutstore ingest"][1]
-    assert "evicted 1000 rollouts, 1000 left" in out["rolloutstore evict"][0]
+    assert "evicted 500 rollouts, 1500 left" in out["rolloutstore evict"][0]
+    diverse = out["rolloutstore evict"][1]  # exactly --keep rows, plus the coverage report
+    assert "evicted 500 rollouts, 1000 left" in diverse and "FIFO" in diverse
     assert (tmp_path / "runs/tour/positive.parquet").stat().st_size > 0
 
 

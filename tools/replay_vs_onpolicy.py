@@ -128,6 +128,9 @@ def build_configs(
             raise ValueError(f"eval_rollouts {eval_rollouts} must be a multiple of {rollouts}")
         steps = steps_for_budget(token_budget, rollouts, upr, tokens_per_rollout)
         d["generation"]["prompts_per_round"] = rollouts // group
+        # The arms compare learning per generated token, which does not depend on the engine;
+        # transformers keeps the recorded runs reusable whether or not vLLM is installed.
+        d["generation"]["backend"] = "hf"
         d["run"].update(
             dir=str(run_root / f"{name}-s{seed}"),
             seed=seed,
