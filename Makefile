@@ -46,11 +46,15 @@ format: $(STAMP)
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
-# The figures of docs/benchmarks.md (about 20 minutes on 2 cores).
+# The figures of docs/benchmarks.md and docs/scaling.md (about 30 minutes on 2 cores;
+# bench_generate and bench_vllm_update need vLLM: `make vllm`).
 bench: $(STAMP)
 	$(PY) tools/bench_store.py
 	$(PY) tools/bench_replay.py
 	$(PY) tools/bench_generate.py
+	$(PY) tools/bench_vllm_update.py
+	$(PY) tools/bench_retention.py
+	$(PY) tools/bench_scaling.py
 
 clean:
 	rm -rf runs bench_out .pytest_cache .hypothesis
