@@ -82,6 +82,11 @@ CONTROL = {
     "reward_window": 6,
     "reward_drop": 0.05,
     "reward_z": 2.0,
+    # At y = 1 the 1024-row window still reaches ~16 rounds back: then draw more of each batch
+    # from the newest round instead (fresh_fraction up to 0.5, in steps of 0.125).
+    "adjust": "both",
+    "max_fresh": 0.5,
+    "fresh_step": 0.125,
 }
 PAPER = "https://arxiv.org/abs/2604.08706"
 
