@@ -31,6 +31,7 @@ import os
 import random
 import shutil
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -69,9 +70,11 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _state_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def _state_tensors(model: torch.nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    # A mapping is an already-gathered state dict (FSDP: Learner.full_weights on rank 0).
+    state = model if isinstance(model, Mapping) else model.state_dict()
     # safetensors refuses shared storage (tied embeddings): clone to be safe.
-    return {k: v.detach().contiguous().clone() for k, v in model.state_dict().items()}
+    return {k: v.detach().contiguous().clone() for k, v in state.items()}
 
 
 def rng_state() -> dict[str, Any]:
@@ -92,7 +95,7 @@ def save_checkpoint(
     run_dir: str | os.PathLike,
     step: int,
     *,
-    model: torch.nn.Module,
+    model: torch.nn.Module | Mapping[str, torch.Tensor],
     trainer_state: dict[str, Any],
     state: dict[str, Any],
     keep: int = 3,
@@ -123,10 +126,12 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
     return ckpts[-1] if ckpts else None
 
 
-def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module) -> tuple[dict, dict]:
-    """Load weights into ``model``; return (trainer_state, state). Restores RNG states."""
+def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module | None) -> tuple[dict, dict]:
+    """Load weights into ``model`` (``None``: leave them to the caller, e.g. a sharded learner
+    restoring from ``trainer_state``); return (trainer_state, state). Restores RNG states."""
     path = Path(path)
-    model.load_state_dict(load_file(str(path / "model.safetensors")), strict=True)
+    if model is not None:
+        model.load_state_dict(load_file(str(path / "model.safetensors")), strict=True)
     trainer_state = torch.load(path / "trainer.pt", weights_only=False)
     set_rng_state(trainer_state.pop("rng"))
     state = json.loads((path / "state.json").read_text())
@@ -137,13 +142,14 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module) -> tuple[di
 def publish_weights(
     weights_dir: str | os.PathLike,
     version: int,
-    model: torch.nn.Module,
+    model: torch.nn.Module | Mapping[str, torch.Tensor],
     *,
     template: str | os.PathLike | None = None,
     keep: int = 3,
     storage_options: dict[str, str] | None = None,
 ) -> Path | str:
-    """Publish ``model`` as policy ``version``: a loadable model folder, then ``LATEST``.
+    """Publish ``model`` (or its state dict) as policy ``version``: a loadable model folder,
+    then ``LATEST``.
 
     ``template``: a model folder whose config and tokenizer files are copied beside
     the weights (so the folder loads with ``from_pretrained`` and in vLLM).

@@ -120,6 +120,11 @@ class RunConfig:
     max_generated_tokens: int = _h(
         "sync: stop at the first round boundary with this many tokens generated (0: off)", 0
     )
+    fsdp: bool = _h(
+        "under torchrun: shard the learner with FSDP2 (fully_shard per decoder layer) instead "
+        "of DDP replicas; an error without torchrun",
+        False,
+    )
 
     def __post_init__(self) -> None:
         if self.mode not in typing.get_args(Mode):

@@ -16,8 +16,18 @@ all-reduce of two ranks is one addition per element, so a run is bit-for-bit rep
 resumed run equals the uninterrupted one.
 
 Backends: gloo on CPU, NCCL when CUDA is available (one GPU per rank, ``cuda:LOCAL_RANK``).
-FSDP is not supported: the checkpoint, weight-publishing and generator paths read the model's
-full state dict on rank 0.
+
+FSDP (``[run] fsdp = true``, torchrun only): instead of DDP, :func:`shard_learner` applies
+torch's FSDP2 ``fully_shard`` to each decoder layer and then to the :class:`LogProbModule` root,
+so each rank holds 1/W of the weights, gradients and AdamW moments. The gradient is
+reduce-scattered as a plain *sum* (divide factor 1), the same semantics as DDP's hook, and the
+grad norm is the global one (the shards' squares all-reduced), so a step equals the DDP step up to
+float rounding of the norm. Whatever needs the full weights — the generator sync, checkpoints,
+published weights, the rank trace — gathers them with a collective that every rank calls
+(:meth:`trainer.learner.Learner.full_weights`, :meth:`~trainer.learner.Learner.state_dict`);
+rank 0 receives them and alone writes. A resume loads the full checkpoint on every rank and
+re-shards it (the same number of ranks, and the same ``run.fsdp``, as the run that wrote it).
+There are no replicas to compare, so the replica check is skipped.
 
 Tests and debugging: ``ROLLOUTSTORE_RANK_TRACE=DIR`` makes every rank append, per step, the
 rollout ids it trained on and a digest of its weights to ``DIR/rank-R.jsonl``.
@@ -28,6 +38,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,7 +49,14 @@ import torch.distributed as dist
 
 from .logprobs import sequence_logprobs
 
-__all__ = ["Dist", "LogProbModule", "from_env", "weights_digest", "wrap_learner"]
+__all__ = [
+    "Dist",
+    "LogProbModule",
+    "from_env",
+    "shard_learner",
+    "weights_digest",
+    "wrap_learner",
+]
 
 
 @dataclass(frozen=True)
@@ -167,10 +185,51 @@ def wrap_learner(learner: Any, d: Dist) -> None:
     learner.ddp = ddp
 
 
-def weights_digest(model: torch.nn.Module) -> str:
+def shard_learner(learner: Any, d: Dist) -> None:
+    """Shard ``learner``'s model with FSDP2 across the ranks (``[run] fsdp``).
+
+    ``fully_shard`` each decoder layer, then the :class:`LogProbModule` root (embeddings, final
+    norm, LM head). Call right after building the learner with the initial weights (equal on
+    every rank: same seed and warm start), *before* restoring a checkpoint: sharding replaces
+    the parameters, so the optimizer is rebuilt here, and a restore then re-shards the full
+    checkpoint through :meth:`trainer.learner.Learner.load_state_dict`.
+    """
+    if not d.enabled:
+        raise ValueError(
+            "run.fsdp = true shards the learner across torchrun ranks; start with "
+            "`torchrun --nproc-per-node N -m trainer ...` or set run.fsdp = false"
+        )
+    from torch.distributed.fsdp import fully_shard
+
+    root = LogProbModule(learner.model)
+    layers = getattr(getattr(learner.model, "model", None), "layers", None)
+    if layers is None:
+        raise ValueError(
+            f"run.fsdp = true needs a decoder with model.model.layers, got "
+            f"{type(learner.model).__name__}; set run.fsdp = false to use DDP"
+        )
+    # fully_shard keeps each rank's slice of its own copy: start every copy from rank 0's.
+    for t in learner.model.state_dict().values():
+        dist.broadcast(t, src=0)
+    # Kept gathered between forward and backward (and across micro-batches until the last
+    # backward, see Learner.step): ranks with different micro-batch counts then still issue
+    # the same collectives.
+    for layer in layers:
+        fully_shard(layer, reshard_after_forward=False)
+    fully_shard(root, reshard_after_forward=False)
+    # The learner normalises by the global token count: sum the ranks' gradients, as DDP does.
+    # (Per FSDP module: the setters do not recurse, and the layers would otherwise average.)
+    for module in (*layers, root):
+        module.set_gradient_divide_factor(1.0)
+        module.set_force_sum_reduction_for_comms(True)
+    learner.ddp, learner.sharded = root, True
+    learner.build_optimizer()
+
+
+def weights_digest(model: torch.nn.Module | Mapping[str, torch.Tensor]) -> str:
     """SHA-256 of the state dict: names in sorted order, each followed by its raw float bits."""
     h = hashlib.sha256()
-    state = model.state_dict()
+    state = model if isinstance(model, Mapping) else model.state_dict()
     for name in sorted(state):
         h.update(name.encode())
         h.update(state[name].detach().cpu().contiguous().numpy().tobytes())
@@ -188,17 +247,22 @@ def batch_view(d: Dist, batch: dict[str, Any]) -> dict[str, np.ndarray]:
     return {k: np.concatenate([p[k] for p in parts]) for k in mine}
 
 
-def trace(d: Dist, step: int, batch: dict[str, Any], model: torch.nn.Module) -> None:
-    """Append this rank's draw and weights digest at ``step`` under ROLLOUTSTORE_RANK_TRACE."""
+def trace(d: Dist, step: int, batch: dict[str, Any], learner: Any) -> None:
+    """Append this rank's draw and weights digest at ``step`` under ROLLOUTSTORE_RANK_TRACE.
+
+    Sharded learners digest the gathered full weights (a collective: the variable must be set
+    for every rank, as torchrun passes it on).
+    """
     folder = os.environ.get("ROLLOUTSTORE_RANK_TRACE")
     if not folder:
         return
+    weights = learner.full_weights(all_ranks=True)
     rec = {
         "step": step,
         "rank": d.rank,
         "world_size": d.world_size,
         "rollout_ids": list(batch["rollout_ids"]),
-        "weights_sha256": weights_digest(model),
+        "weights_sha256": weights_digest(weights),
     }
     Path(folder).mkdir(parents=True, exist_ok=True)
     with open(Path(folder) / f"rank-{d.rank}.jsonl", "a") as f:

@@ -17,6 +17,10 @@ Distributed (``trainer.distributed``): with ``learner.ddp`` set to a DDP-wrapped
 global batch; the step's token / sequence totals are summed over ranks so that every rank
 normalises by the *global* batch, the gradient is all-reduced (summed) once per step on the
 last micro-batch, and the metrics are reduced over ranks, so all ranks take the same step.
+With ``learner.sharded`` (``[run] fsdp``, :func:`trainer.distributed.shard_learner`) the wrapper
+is an FSDP2 module instead: the same step, but each rank holds and updates a shard of the
+weights, gradients and AdamW moments; :meth:`Learner.state_dict` and
+:meth:`Learner.full_weights` then gather (collectives: call them on every rank).
 
 Packed micro-batches are scored as one row (the model isolates the packed sequences through the
 restarting ``position_ids``) and the per-token results are then scattered into a per-sequence
@@ -262,8 +266,10 @@ class Learner:
         self.compute_entropy = compute_entropy or loss_cfg.entropy_coef > 0
         self.policy_version = 0
         self.steps_done = 0
-        # A DDP-wrapped trainer.distributed.LogProbModule of self.model (set by wrap_learner).
+        # A DDP-wrapped (or, with `sharded`, fully_shard-ed) trainer.distributed.LogProbModule
+        # of self.model (set by wrap_learner / shard_learner).
         self.ddp: Any | None = None
+        self.sharded = False
 
         torch.manual_seed(optim_cfg.seed)
         self.model = model.to(self.device)
@@ -281,6 +287,15 @@ class Learner:
                 )
         self.ref_model = ref_model.to(self.device).eval() if ref_model is not None else None
 
+        self.build_optimizer()
+
+    def build_optimizer(self) -> None:
+        """A fresh AdamW and LR schedule over the model's current parameters.
+
+        FSDP replaces the parameters with sharded ones: :func:`trainer.distributed.shard_learner`
+        calls this again after sharding (before any step or checkpoint restore).
+        """
+        optim_cfg = self.optim_cfg
         params = [p for p in self.model.parameters() if p.requires_grad]
         # Weight decay on matrices only: decaying norms' gains and biases towards 0 only hurts.
         decay = [p for p in params if p.dim() >= 2]
@@ -318,7 +333,14 @@ class Learner:
             mb = self._to_device(mb)
             # DDP: all-reduce the accumulated gradient once, on the last micro-batch.
             last = i == len(mbs) - 1
-            with nullcontext() if self.ddp is None or last else self.ddp.no_sync():
+            if self.sharded:
+                # Ranks may split into different numbers of micro-batches: keep the weights
+                # gathered until the last backward, so every rank runs the same collectives
+                # (one all-gather per layer, then one reduce-scatter per layer).
+                self.ddp.set_requires_gradient_sync(last)
+                self.ddp.set_reshard_after_backward(last)
+            sync = nullcontext() if self.ddp is None or last or self.sharded else self.ddp.no_sync()
+            with sync:
                 out, n_tok = self._forward_backward(mb, tokens, seqs)
             m = out.metrics()
             weight_max = max(weight_max, m.pop("is_weight_max"))
@@ -329,10 +351,7 @@ class Learner:
                 w = 1.0 if k in ("loss", "pg_loss") else n_tok / max(tokens, 1)
                 sums[k] = sums.get(k, 0.0) + w * v
 
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            self.params, self.optim_cfg.grad_clip if self.optim_cfg.grad_clip else math.inf
-        )
-        grad_norm = float(grad_norm)
+        grad_norm = float(self._clip_grad_norm())
         lr = self.optimizer.param_groups[0]["lr"]
         skipped = not math.isfinite(grad_norm)
         if skipped:
@@ -360,6 +379,19 @@ class Learner:
         )
         return sums if self.ddp is None else self._reduce_metrics(sums)
 
+    def _clip_grad_norm(self) -> Tensor:
+        max_norm = self.optim_cfg.grad_clip if self.optim_cfg.grad_clip else math.inf
+        if not self.sharded:
+            return torch.nn.utils.clip_grad_norm_(self.params, max_norm)
+        # Sharded (DTensor) gradients: each rank's norm is a partial; full_tensor() all-reduces
+        # the squares into the global norm, and every rank clips its shard by it.
+        grads = [p.grad for p in self.params if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads, 2.0)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        torch.nn.utils.clip_grads_with_norm_(self.params, max_norm, norm)
+        return norm
+
     def _reduce_metrics(self, sums: dict[str, float]) -> dict[str, float]:
         """Per-rank partial metrics -> the global batch's (all ranks get the same values)."""
         import torch.distributed as dist
@@ -383,11 +415,45 @@ class Learner:
         with self._autocast():
             return self._logprobs(self.model, b, entropy=False)[0]
 
+    def full_weights(self, *, all_ranks: bool = False) -> dict[str, Tensor]:
+        """The model's full (unsharded) state dict, on CPU when sharded.
+
+        Sharded, this is a collective: every rank must call it; rank 0 gets the tensors, the
+        others ``{}`` unless ``all_ranks``.
+        """
+        if not self.sharded:
+            return self.model.state_dict()
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+        )
+
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=not all_ranks)
+        full = get_model_state_dict(self.ddp, options=opts)
+        # The FSDP root is the LogProbModule: its names carry the "model." of its attribute.
+        return {k.removeprefix("model."): v for k, v in full.items()}
+
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to continue bit-for-bit: weights, AdamW, schedule, version, RNG."""
+        """Everything needed to continue bit-for-bit: weights, AdamW, schedule, version, RNG.
+
+        Sharded: a collective; rank 0 gets the full weights and optimizer state, the other
+        ranks empty ones (only rank 0 writes checkpoints).
+        """
+        if self.sharded:
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                get_optimizer_state_dict,
+            )
+
+            model = self.full_weights()
+            opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            optim = get_optimizer_state_dict(self.ddp, self.optimizer, options=opts)
+        else:
+            model, optim = self.model.state_dict(), self.optimizer.state_dict()
         state = {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "model": model,
+            "optimizer": optim,
+            "sharded": self.sharded,
             "scheduler": self.scheduler.state_dict(),
             "policy_version": self.policy_version,
             "steps_done": self.steps_done,
@@ -398,8 +464,29 @@ class Learner:
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        """Restore :meth:`state_dict` (sharded: from the full state, on every rank)."""
+        saved = bool(state.get("sharded", False))
+        if saved != self.sharded:
+            # The optimizer state is keyed by parameter name when sharded, by index otherwise.
+            raise ValueError(
+                f"this checkpoint was written with run.fsdp = {str(saved).lower()} and is being "
+                f"restored with run.fsdp = {str(self.sharded).lower()}: resume with "
+                f"--set run.fsdp={str(saved).lower()}"
+            )
+        if self.sharded:
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                set_model_state_dict,
+                set_optimizer_state_dict,
+            )
+
+            opts = StateDictOptions(full_state_dict=True)
+            model = {f"model.{k}": v for k, v in state["model"].items()}
+            set_model_state_dict(self.ddp, model, options=opts)
+            set_optimizer_state_dict(self.ddp, self.optimizer, state["optimizer"], options=opts)
+        else:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.policy_version = int(state["policy_version"])
         self.steps_done = int(state["steps_done"])
@@ -468,8 +555,13 @@ class Learner:
             chunk_size=self.chunk_size,
             return_entropy=entropy,
         )
-        if self.ddp is not None and model is self.model and torch.is_grad_enabled():
-            # Through the DDP wrapper, so that backward all-reduces the gradient.
+        if (
+            self.ddp is not None
+            and model is self.model
+            and (torch.is_grad_enabled() or self.sharded)
+        ):
+            # Through the DDP wrapper, so that backward all-reduces the gradient (FSDP: always,
+            # its forward gathers the sharded weights).
             logp, ent = self.ddp(mb["input_ids"], **kwargs)
         else:
             out = sequence_logprobs(model, mb["input_ids"], **kwargs)

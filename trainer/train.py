@@ -48,7 +48,7 @@ from rolloutstore.replay.loader import ReplayDataset
 from .checkpoint import latest_checkpoint, load_checkpoint, publish_weights, save_checkpoint
 from .config import TrainConfig
 from .control import ReplayController
-from .distributed import Dist, batch_view, trace, wrap_learner
+from .distributed import Dist, batch_view, shard_learner, trace, wrap_learner
 from .distributed import from_env as dist_from_env
 from .generate import generate_rollouts
 from .learner import Learner
@@ -205,14 +205,19 @@ def save_run_checkpoint(
     totals,
     first_eval,
     schedule: dict[str, Any] | None = None,
+    learner_state: dict[str, Any] | None = None,
 ) -> Path:
     """Checkpoint everything a resume needs: learner state, loader position, store version,
-    and (sync loop) the round schedule with the replay controller's state."""
+    and (sync loop) the round schedule with the replay controller's state.
+
+    ``learner_state``: ``learner.state_dict()`` gathered beforehand (FSDP: on every rank)."""
+    if learner_state is None:
+        learner_state = learner.state_dict()
     return save_checkpoint(
         run_dir,
         step,
-        model=learner.model,
-        trainer_state={"learner": learner.state_dict()},
+        model=learner_state["model"],
+        trainer_state={"learner": learner_state},
         state={
             "policy_version": learner.policy_version,
             "loader": loader.state_dict(),
@@ -272,19 +277,22 @@ class LivePolicy:
             # failed verification (and its restart) is still printed.
             self.vllm = _VLLMPolicy(cfg, run_id, seed=cfg.run.seed, verbose=False)
 
-    def sync(self, learner: Learner):
+    def sync(self, learner: Learner, weights: dict[str, Any] | None = None):
+        """The generator at the learner's weights (``weights``: its gathered state dict)."""
         v = learner.policy_version
+        if weights is None:
+            weights = learner.model.state_dict()
         if self.backend == "hf":
-            self.gen.model.load_state_dict(learner.model.state_dict())
+            self.gen.model.load_state_dict(weights)
             self.gen.policy_version = v
         elif self.version != v:
 
             def publish() -> Path:
                 return publish_weights(
-                    self.run_dir / "weights", v, learner.model, template=self.model_dir
+                    self.run_dir / "weights", v, weights, template=self.model_dir
                 )
 
-            self.gen = self.vllm.update(v, learner.model.state_dict(), publish)
+            self.gen = self.vllm.update(v, weights, publish)
             self.events.append(
                 {
                     "policy_version": v,
@@ -315,7 +323,8 @@ def setup_learner(
 
     Imports ``[run].sources`` (idempotent; rank 0 only), then either restores the newest
     checkpoint (returned as its state dict) or warm-starts the fresh model. With ``dist``
-    the loader yields this rank's share of each step and the learner is DDP-wrapped.
+    the loader yields this rank's share of each step and the learner is DDP-wrapped (or,
+    with ``run.fsdp``, sharded before the restore, which then re-shards the full checkpoint).
     """
     g, r = cfg.generation, cfg.run
     d = dist or Dist()
@@ -358,12 +367,15 @@ def setup_learner(
         rank=d.rank,
         world_size=d.world_size,
     )
+    if r.fsdp:
+        shard_learner(learner, d)
     state = None
     if ckpt is not None:
-        trainer_state, state = load_checkpoint(ckpt, learner.model)
+        trainer_state, state = load_checkpoint(ckpt, None if r.fsdp else learner.model)
         learner.load_state_dict(trainer_state["learner"])
         loader.load_state_dict(state["loader"])
-    wrap_learner(learner, d)
+    if not r.fsdp:
+        wrap_learner(learner, d)
     return learner, loader, state
 
 
@@ -427,6 +439,11 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> T
 
     Under torchrun every rank calls this; only rank 0's result carries the evaluations.
     """
+    if cfg.run.fsdp and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        raise RunDirError(
+            "run.fsdp = true shards the learner across torchrun ranks (sync mode); start with "
+            "`torchrun --nproc-per-node N -m trainer ...` or set run.fsdp = false"
+        )
     if cfg.run.mode == "async":
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise RunDirError(
@@ -519,17 +536,22 @@ def _train(cfg: TrainConfig, d: Dist, *, resume: bool, progress: bool) -> TrainR
     metrics = Metrics(run_dir) if main else None
 
     def sync_generator() -> None:
+        # Every rank calls this: a sharded learner gathers its weights collectively.
         nonlocal generator
-        generator = policy.sync(learner)
+        weights = learner.full_weights()
+        if not main:
+            return
+        generator = policy.sync(learner, weights)
         for event in policy.events:  # vLLM: each verified weight update, logged
             metrics.log("weights", step, event)
         policy.events.clear()
 
-    if first_eval is None and main:
+    if first_eval is None:
         if cfg.task.eval_prompts:
             sync_generator()
-        first_eval = evaluate(generator, task, cfg)
-        metrics.log("eval", step, {"reward": first_eval, "generated_tokens": 0})
+        if main:
+            first_eval = evaluate(generator, task, cfg)
+            metrics.log("eval", step, {"reward": first_eval, "generated_tokens": 0})
     it = iter(loader)
     bar = tqdm(
         total=r.steps, initial=step, desc="train", unit="step", disable=not (progress and main)
@@ -551,8 +573,8 @@ def _train(cfg: TrainConfig, d: Dist, *, resume: bool, progress: bool) -> TrainR
                             loader.load_state_dict(loader.state_dict())
                             it = iter(loader)
                     y = controller.updates
+                sync_generator()
                 if main:
-                    sync_generator()
                     summary = _generation_round(
                         cfg, store, task, generator, learner.policy_version, step, rnd, run_id,
                         start_ms, totals, metrics,
@@ -566,7 +588,7 @@ def _train(cfg: TrainConfig, d: Dist, *, resume: bool, progress: bool) -> TrainR
             m = learner.step(batch)
             totals["train_seconds"] += time.perf_counter() - t0
             step += 1
-            trace(d, step, batch, learner.model)
+            trace(d, step, batch, learner)
             view = batch_view(d, batch)  # the global batch's rewards, staleness, run ids
             m.update(
                 reward=float(view["rewards"].mean()),
@@ -590,14 +612,17 @@ def _train(cfg: TrainConfig, d: Dist, *, resume: bool, progress: bool) -> TrainR
             _fault(f"step:{step}")
             bar.update(1)
             bar.set_postfix(reward=f"{m['reward']:.2f}", loss=f"{m['loss']:.3f}")
-            if main and ((r.eval_every and step % r.eval_every == 0) or done()):
+            if (r.eval_every and step % r.eval_every == 0) or done():
                 if cfg.task.eval_prompts:
                     sync_generator()
-                last_eval = evaluate(generator, task, cfg)
-                metrics.log("eval", step, {"reward": last_eval, **totals})
-                bar.write(f"step {step}: eval reward {last_eval:.3f} (start {first_eval:.3f})")
+                if main:
+                    last_eval = evaluate(generator, task, cfg)
+                    metrics.log("eval", step, {"reward": last_eval, **totals})
+                    bar.write(f"step {step}: eval reward {last_eval:.3f} (start {first_eval:.3f})")
             if step % r.checkpoint_every == 0 or done():
-                d.check_replicas(learner.model)  # also the barrier before rank 0 saves
+                if not learner.sharded:  # sharded: one copy of the weights, no replicas
+                    d.check_replicas(learner.model)  # also the barrier before rank 0 saves
+                learner_state = learner.state_dict()  # sharded: a gather, on every rank
                 if main:
                     schedule = {
                         "next_round_step": next_round,
@@ -605,11 +630,13 @@ def _train(cfg: TrainConfig, d: Dist, *, resume: bool, progress: bool) -> TrainR
                         "control": controller.state_dict() if controller is not None else None,
                     }
                     save_run_checkpoint(
-                        run_dir, step, cfg, learner, loader, store, totals, first_eval, schedule
-                    )
+                        run_dir, step, cfg, learner, loader, store, totals, first_eval, schedule,
+                        learner_state,
+                    )  # fmt: skip
+        weights = learner.full_weights()  # sharded: a gather, on every rank
         if main:
             publish_weights(
-                run_dir / "weights", learner.policy_version, learner.model, template=model_dir
+                run_dir / "weights", learner.policy_version, weights, template=model_dir
             )
     finally:
         bar.close()

@@ -3,7 +3,9 @@
 One uninterrupted 2-rank run is the reference for every test: the ranks' weights stay
 identical, each step's selection is split disjointly between them, only rank 0 writes, a run
 whose rank 1 is SIGKILLed resumes (with 2 ranks only) to the same bits, and the 2-rank step
-equals the 1-process step on the same global batch up to float summation order.
+equals the 1-process step on the same global batch up to float summation order. The FSDP
+run (``--set run.fsdp=true``) is checked against DDP (same selections, same clipped steps), for
+rank-0-only writes of the gathered weights, and for a bit-exact resume after a SIGKILL.
 """
 
 from __future__ import annotations
@@ -222,3 +224,84 @@ def test_killed_rank_resumes_with_two_ranks_to_the_same_bits(ref, tmp_path):
         for d in (ref, crash)
     ]
     assert ids[0] == ids[1] and len(set(ids[1])) == len(ids[1])
+
+
+# -- FSDP ([run] fsdp = true): the same loop with the learner sharded by fully_shard ----------
+# The clip is below the first steps' grad norms (~3e-3, 1e-3): the sharded norm must be the
+# global one, or the clipped update differs from DDP's.
+FSDP_SETS = ["--set", "run.fsdp=true", "--set", "optim.grad_clip=0.001"]
+
+
+@pytest.fixture(scope="module")
+def fsdp_ref(tmp_path_factory) -> Path:
+    """An uninterrupted 2-rank FSDP run (its folder holds run/ and trace/)."""
+    folder = tmp_path_factory.mktemp("fsdp") / "ref"
+    p = _launch(["train", str(_config(folder)), *FSDP_SETS], ranks=2, trace=folder / "trace")
+    assert p.returncode == 0, p.stderr[-4000:]
+    return folder
+
+
+@pytest.mark.slow
+def test_fsdp_steps_like_ddp_and_only_rank_0_writes(fsdp_ref, tmp_path):
+    # DDP with the same clip, over the first round (the FSDP run's later rounds are checked
+    # against DDP through its first, and against themselves on resume).
+    ddp = tmp_path / "ddp"
+    sets = ["--set", "optim.grad_clip=0.001"]
+    p = _launch(["train", str(_config(ddp, steps=ROUND)), *sets], ranks=2, trace=ddp / "trace")
+    assert p.returncode == 0, p.stderr[-4000:]
+    run = fsdp_ref / "run"
+    fsdp_m, ddp_m = _train_records(run), _train_records(ddp / "run")
+    assert fsdp_m[0]["grad_norm"] > 2e-3 and ddp_m[0]["grad_norm"] > 2e-3  # clipping engaged
+    for x, y in zip(fsdp_m, ddp_m):  # the global norm and loss, not a shard's
+        assert x["grad_norm"] == pytest.approx(y["grad_norm"], rel=1e-5), x["step"]
+        assert x["loss"] == pytest.approx(y["loss"], rel=1e-5, abs=1e-9), x["step"]
+    # The same selections, split the same way between the ranks.
+    fsdp_t, ddp_t = _trace(fsdp_ref / "trace"), _trace(ddp / "trace")
+    for rank in (0, 1):
+        got = [r["rollout_ids"] for r in fsdp_t[rank][:ROUND]]
+        assert got == [r["rollout_ids"] for r in ddp_t[rank]]
+    assert {s: _usage(run)[s] for s in range(ROUND)} == _usage(ddp / "run")
+    # Sums of the same two per-rank gradients (unclipped, the weights come out bit-identical);
+    # the sharded norm adds its squares in another order, so the clip factor differs in the
+    # last bits, which AdamW's 1/(sqrt(v) + eps) turns into up to ~4e-6 on rare embedding rows
+    # (see the DDP test above): allow 1% of one step (lr).
+    a, b = load_file(str(_ckpt(run, ROUND))), load_file(str(_ckpt(ddp / "run", ROUND)))
+    assert sorted(a) == sorted(b)
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-5, msg=name)
+    init = load_file(str(next((run / "model-init").glob("*.safetensors"))))
+    assert max(float((a[k] - init[k]).abs().max()) for k in a) > 1e-4  # the weights moved
+
+    # Rank 0 alone gathered and wrote: one record per step, full checkpoints that hold the
+    # weights every rank traced (each rank digests the gathered weights), one event file.
+    assert [r["step"] for r in fsdp_m] == list(range(1, STEPS + 1))
+    assert all(r["sequences"] == 8 and r["learner_ranks"] == 2 for r in fsdp_m)
+    assert len(list((run / "tb").iterdir())) == 1
+    for step in (ROUND, STEPS):
+        assert _digest(_ckpt(run, step)) == fsdp_t[1][step - 1]["weights_sha256"]
+    assert (run / "weights" / "LATEST").exists()
+    assert RolloutStore.open(run / "store", create=False).count() == 48
+
+
+@pytest.mark.slow
+def test_fsdp_killed_rank_resumes_to_the_same_bits(fsdp_ref, tmp_path):
+    crash = tmp_path / "crash"
+    p = _launch(["train", str(_config(crash)), *FSDP_SETS], ranks=2, fault="step:4")
+    assert p.returncode != 0
+    run = crash / "run"
+    assert sorted(x.name for x in (run / "checkpoints").iterdir())[-1] == f"step-{ROUND:09d}"
+    p = _launch(["resume", str(run)], ranks=2, trace=crash / "trace")
+    assert p.returncode == 0, p.stderr[-4000:]
+    # Every rank re-shards the full checkpoint (weights and AdamW moments); gloo sums two
+    # gradients with one addition per element, so the resumed run is the uninterrupted one.
+    assert _ckpt(run, STEPS).read_bytes() == _ckpt(fsdp_ref / "run", STEPS).read_bytes()
+    resumed, uninterrupted = _trace(crash / "trace"), _trace(fsdp_ref / "trace")
+    for rank in (0, 1):
+        assert resumed[rank] == uninterrupted[rank][ROUND:]
+    assert _usage(run, distinct=True) == _usage(fsdp_ref / "run")
+
+
+def test_fsdp_without_torchrun_is_an_error(tmp_path):
+    p = _launch(["train", str(_config(tmp_path / "one")), "--set", "run.fsdp=true"], ranks=1)
+    assert p.returncode != 0 and "run.fsdp = true" in p.stderr and "torchrun" in p.stderr
+    assert not (tmp_path / "one" / "run" / "checkpoints").exists()
