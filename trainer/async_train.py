@@ -364,7 +364,15 @@ class _HFPolicy:
 
         state = load_file(str(folder / "model.safetensors"))  # FileNotFoundError if pruned
         if self.gen is None:
-            self.gen = HFGenerator(folder, policy_version=version, policy_id=self.run_id)
+            try:
+                self.gen = HFGenerator(folder, policy_version=version, policy_id=self.run_id)
+            except (OSError, ValueError) as exc:
+                if (folder / "config.json").is_file():
+                    raise  # a complete-looking folder that fails is a real error
+                # Pruned by a newer publish between reading the weights and the rest: the
+                # caller reads LATEST again (transformers reports a vanished folder as a bad
+                # hub repo id, an OSError; a half-deleted one as a tokenizer ValueError).
+                raise FileNotFoundError(f"published weights {folder} were pruned") from exc
         self.gen.model.load_state_dict(state, strict=True)
         self.gen.policy_version = version
         return self.gen

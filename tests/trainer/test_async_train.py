@@ -15,6 +15,8 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+import pytest
+
 from rolloutstore import RolloutStore
 from trainer.async_train import FAULT_ENV, actor_seed, rounds_ahead
 from trainer.config import TrainConfig
@@ -159,3 +161,25 @@ def test_crashed_actor_is_restarted_without_loss_or_duplicates(tmp_path):
     assert rounds["a0/r1"] == PROMPTS * GROUP  # the killed round was finished, once
     assert set(rounds.values()) == {PROMPTS * GROUP}
     assert len(_records(run, "train")) == 6
+
+
+def test_weights_pruned_while_an_actor_loads_them_read_as_pruned(tmp_path):
+    """A slow actor may read LATEST, load model.safetensors, and find the rest of the folder
+    pruned by a newer publish: that must be FileNotFoundError (read LATEST again), not a crash."""
+    import shutil
+
+    from trainer.async_train import _HFPolicy
+    from trainer.checkpoint import publish_weights
+    from trainer.tiny import make_tiny_model
+    from trainer.train import load_model
+
+    make_tiny_model(tmp_path / "init", num_layers=1, hidden_size=128)
+    model, _ = load_model(tmp_path / "init")
+    folder = publish_weights(tmp_path / "weights", 0, model, template=tmp_path / "init")
+    for f in folder.iterdir():  # what a prune leaves mid-way: the weights, nothing else
+        if f.name != "model.safetensors":
+            shutil.rmtree(f) if f.is_dir() else f.unlink()
+    with pytest.raises(FileNotFoundError, match="pruned"):
+        _HFPolicy("r").load(0, folder)
+    folder = publish_weights(tmp_path / "weights", 1, model, template=tmp_path / "init")
+    assert _HFPolicy("r").load(1, folder).policy_version == 1  # a whole folder still loads
