@@ -80,3 +80,24 @@ def run_draws(run_dir) -> dict[int, list[str]]:
     for r in t:
         out.setdefault(r["learner_step"], []).append(r["rollout_id"])
     return out
+
+
+# The tiny run the resume and distributed tests share (a template for str.format: the caller
+# adds [loss], [optim] and [run] with {dir} and {steps}).
+TINY_RUN_TOML = """
+[model]
+num_layers = 1
+[task]
+name = "arith"
+options = {{ max_operands = 2, max_digits = 1, ops = ["+"] }}
+eval_prompts = 4
+[generation]
+group_size = 4
+max_tokens = 5
+prompts_per_round = 6
+batch_prompts = 3
+[replay]
+window = 64
+max_uses = 3
+seed = 1
+"""

@@ -19,28 +19,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import TINY_RUN_TOML
 from safetensors.torch import load_file
 
 from rolloutstore import RolloutStore
 
 ROOT = Path(__file__).parents[2]
 STEPS, ROUND = 6, 3  # two generation rounds; checkpoints after each
-CONFIG = """
-[model]
-num_layers = 1
-[task]
-name = "arith"
-options = {{ max_operands = 2, max_digits = 1, ops = ["+"] }}
-eval_prompts = 4
-[generation]
-group_size = 4
-max_tokens = 5
-prompts_per_round = 6
-batch_prompts = 3
-[replay]
-window = 64
-max_uses = 3
-seed = 1
+CONFIG = (
+    TINY_RUN_TOML
+    + """
 [loss]
 entropy_coef = 0.01  # a gradient at every step even while every reward is 0
 [optim]
@@ -58,6 +46,7 @@ keep_checkpoints = 5
 warm_start_steps = 3
 eval_every = 0
 """
+)
 
 
 def _launch(args: list[str], *, ranks: int, trace: Path | None = None, fault: str | None = None):

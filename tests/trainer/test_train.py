@@ -8,28 +8,15 @@ import signal
 from pathlib import Path
 
 import pytest
-from helpers import run_draws, trainer_cli
+from helpers import TINY_RUN_TOML, run_draws, trainer_cli
 
 from rolloutstore import RolloutStore
 from trainer.config import ConfigError, TrainConfig
 
 ROOT = Path(__file__).parents[2]
-SMALL = """
-[model]
-num_layers = 1
-[task]
-name = "arith"
-options = {{ max_operands = 2, max_digits = 1, ops = ["+"] }}
-eval_prompts = 4
-[generation]
-group_size = 4
-max_tokens = 5
-prompts_per_round = 6
-batch_prompts = 3
-[replay]
-window = 64
-max_uses = 3
-seed = 1
+SMALL = (
+    TINY_RUN_TOML
+    + """
 [loss]
 entropy_coef = 0.01     # rewards start at 0 (zero advantages): keep the weights moving
 [optim]
@@ -45,6 +32,7 @@ checkpoint_every = 2
 warm_start_steps = 3
 eval_every = 0
 """
+)
 
 
 # Long context: ~1.5k-token prompts from a file task, packed batches capped by tokens and split
