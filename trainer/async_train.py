@@ -360,22 +360,33 @@ class _HFPolicy:
     def load(self, version: int, folder: Path):
         from safetensors.torch import load_file
 
-        from .hf_generate import HFGenerator
-
-        state = load_file(str(folder / "model.safetensors"))  # FileNotFoundError if pruned
         if self.gen is None:
-            try:
-                self.gen = HFGenerator(folder, policy_version=version, policy_id=self.run_id)
-            except (OSError, ValueError) as exc:
-                if (folder / "config.json").is_file():
-                    raise  # a complete-looking folder that fails is a real error
-                # Pruned by a newer publish between reading the weights and the rest: the
-                # caller reads LATEST again (transformers reports a vanished folder as a bad
-                # hub repo id, an OSError; a half-deleted one as a tokenizer ValueError).
-                raise FileNotFoundError(f"published weights {folder} were pruned") from exc
-        self.gen.model.load_state_dict(state, strict=True)
+            self.gen = self._first(version, folder)
+        else:
+            state = load_file(str(folder / "model.safetensors"))  # FileNotFoundError if pruned
+            self.gen.model.load_state_dict(state, strict=True)
         self.gen.policy_version = version
         return self.gen
+
+    def _first(self, version: int, folder: Path):
+        """The generator, built from a private copy of ``folder``: a newer publish may prune
+        the folder at any time, and building (config, tokenizer, weights) takes long enough
+        for a learner to publish and prune several versions. A copy is quick; if the folder
+        goes while it is copied, that is FileNotFoundError (the caller reads LATEST again)."""
+        import shutil
+        import tempfile
+
+        from .hf_generate import HFGenerator
+
+        with tempfile.TemporaryDirectory(prefix="actor-weights-") as tmp:
+            copy = Path(tmp) / folder.name
+            try:
+                shutil.copytree(folder, copy)
+            except (FileNotFoundError, shutil.Error) as exc:
+                raise FileNotFoundError(f"published weights {folder} were pruned") from exc
+            if not all((copy / f).is_file() for f in ("config.json", "model.safetensors")):
+                raise FileNotFoundError(f"published weights {folder} were pruned")
+            return HFGenerator(copy, policy_version=version, policy_id=self.run_id)
 
     def close(self) -> None:
         pass

@@ -164,8 +164,8 @@ def test_crashed_actor_is_restarted_without_loss_or_duplicates(tmp_path):
 
 
 def test_weights_pruned_while_an_actor_loads_them_read_as_pruned(tmp_path):
-    """A slow actor may read LATEST, load model.safetensors, and find the rest of the folder
-    pruned by a newer publish: that must be FileNotFoundError (read LATEST again), not a crash."""
+    """A slow actor may read LATEST and find the folder half pruned by a newer publish when it
+    builds its generator: that must be FileNotFoundError (read LATEST again), not a crash."""
     import shutil
 
     from trainer.async_train import _HFPolicy
