@@ -71,7 +71,14 @@ from .checkpoint import (
     remove_text,
     write_text,
 )
-from .config import ConfigError, TrainConfig
+from .config import (
+    STORE_ENV,
+    WEIGHTS_ENV,
+    ConfigError,
+    TrainConfig,
+    configured_location,
+    storage_options_from_env,
+)
 from .generate import generate_rollouts
 from .tasks import get_task
 from .train import (
@@ -93,27 +100,6 @@ MAX_RESTARTS = 5  # per actor; a crash loop (e.g. a vLLM log-prob mismatch) stop
 JOIN_SECONDS = 120.0  # how long the learner lets actors finish their round after STOP
 FAULT_ENV = "ROLLOUTSTORE_ACTOR_FAULT"  # "K:R": actor K SIGKILLs itself in round R (tests)
 PARENT_ENV = "ROLLOUTSTORE_LEARNER_PID"  # actors started by a learner exit when it is gone
-# Scale-out (README "Scaling out"): the store and the weights on an object store, read by the
-# learner and by every actor; storage options (Lance keys) as a JSON object.
-STORE_ENV = "ROLLOUTSTORE_STORE_URI"
-WEIGHTS_ENV = "ROLLOUTSTORE_WEIGHTS_URI"
-OPTIONS_ENV = "ROLLOUTSTORE_STORAGE_OPTIONS"
-
-
-def storage_options_from_env() -> dict[str, str] | None:
-    """Storage options from $ROLLOUTSTORE_STORAGE_OPTIONS (a JSON object of strings), or None."""
-    raw = os.environ.get(OPTIONS_ENV)
-    if not raw:
-        return None
-    try:
-        opts = json.loads(raw)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(
-            f'${OPTIONS_ENV} is not JSON ({exc}); e.g. \'{{"aws_region": "us-east-1"}}\''
-        ) from exc
-    if not isinstance(opts, dict) or not all(isinstance(v, str) for v in opts.values()):
-        raise ConfigError(f"${OPTIONS_ENV} must be a JSON object of string values, got {raw!r}")
-    return opts
 
 
 def actor_seed(seed: int, actor_id: int, rnd: int) -> int:
@@ -224,7 +210,7 @@ def async_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True
         step, first_eval = state["step"], state.get("first_eval")
         totals.update({k: v for k, v in state["totals"].items() if k in totals})
 
-    weights_dir = cfg.run.weights or os.environ.get(WEIGHTS_ENV) or run_dir / "weights"
+    weights_dir = configured_location(cfg, "weights") or run_dir / "weights"
     # Standalone actors (other machines) learn the run's identity from the weights location.
     write_text(weights_dir, "run.json", json.dumps(meta), options)
     remove_text(weights_dir, "STOP", options)
@@ -517,13 +503,12 @@ def _actor_source(
         run_dir = Path(source).resolve()
         meta = json.loads((run_dir / "run.json").read_text())
         cfg = TrainConfig.from_dict(meta["config"])
-        weights = weights_dir or cfg.run.weights or os.environ.get(WEIGHTS_ENV)
-        weights = weights or run_dir / "weights"
-        store = store_uri or cfg.run.store or os.environ.get(STORE_ENV) or str(run_dir / "store")
+        weights = weights_dir or configured_location(cfg, "weights") or run_dir / "weights"
+        store = store_uri or configured_location(cfg, "store") or str(run_dir / "store")
         return cfg, meta, store, weights, Path(state_dir or run_dir / "actors"), run_dir
     cfg = source if isinstance(source, TrainConfig) else TrainConfig.load(source)
-    weights = weights_dir or cfg.run.weights or os.environ.get(WEIGHTS_ENV)
-    store = store_uri or cfg.run.store or os.environ.get(STORE_ENV)
+    weights = weights_dir or configured_location(cfg, "weights")
+    store = store_uri or configured_location(cfg, "store")
     if not weights or not store:
         raise ConfigError(
             f"a standalone actor needs the shared store and weights: pass --store URI and "

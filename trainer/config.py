@@ -16,6 +16,8 @@ Unknown sections or keys and bad values fail before any work starts, naming
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -247,3 +249,33 @@ class TrainConfig:
     @property
     def run_id(self) -> str:
         return self.run.run_id or Path(self.run.dir).name
+
+
+# Scale-out (README "Scaling out"): the store and the weights on an object store, read by the
+# learner and by every actor; storage options (Lance keys) as a JSON object. The config's
+# [run] store / weights win over the variables; credentials stay in the environment.
+STORE_ENV = "ROLLOUTSTORE_STORE_URI"
+WEIGHTS_ENV = "ROLLOUTSTORE_WEIGHTS_URI"
+OPTIONS_ENV = "ROLLOUTSTORE_STORAGE_OPTIONS"
+
+
+def storage_options_from_env() -> dict[str, str] | None:
+    """Storage options from $ROLLOUTSTORE_STORAGE_OPTIONS (a JSON object of strings), or None."""
+    raw = os.environ.get(OPTIONS_ENV)
+    if not raw:
+        return None
+    try:
+        opts = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(
+            f'${OPTIONS_ENV} is not JSON ({exc}); e.g. \'{{"aws_region": "us-east-1"}}\''
+        ) from exc
+    if not isinstance(opts, dict) or not all(isinstance(v, str) for v in opts.values()):
+        raise ConfigError(f"${OPTIONS_ENV} must be a JSON object of string values, got {raw!r}")
+    return opts
+
+
+def configured_location(cfg: TrainConfig, what: Literal["store", "weights"]) -> str | None:
+    """``[run] store`` / ``weights``, else $ROLLOUTSTORE_STORE_URI / _WEIGHTS_URI, else None."""
+    env = STORE_ENV if what == "store" else WEIGHTS_ENV
+    return getattr(cfg.run, what) or os.environ.get(env) or None

@@ -46,7 +46,7 @@ from rolloutstore import RolloutStore
 from rolloutstore.replay.loader import ReplayDataset
 
 from .checkpoint import latest_checkpoint, load_checkpoint, publish_weights, save_checkpoint
-from .config import TrainConfig
+from .config import TrainConfig, configured_location, storage_options_from_env
 from .control import ReplayController
 from .distributed import Dist, batch_view, shard_learner, trace, wrap_learner
 from .distributed import from_env as dist_from_env
@@ -234,9 +234,7 @@ def save_run_checkpoint(
 def store_location(cfg: TrainConfig, run_dir: Path) -> tuple[str, dict[str, str] | None]:
     """The run's store URI and storage options: [run] store, $ROLLOUTSTORE_STORE_URI, or
     RUN_DIR/store; options from $ROLLOUTSTORE_STORAGE_OPTIONS (credentials stay out of configs)."""
-    from .async_train import STORE_ENV, storage_options_from_env
-
-    uri = cfg.run.store or os.environ.get(STORE_ENV) or str(run_dir / "store")
+    uri = configured_location(cfg, "store") or str(run_dir / "store")
     return uri, storage_options_from_env()
 
 

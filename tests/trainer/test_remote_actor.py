@@ -139,7 +139,7 @@ def test_standalone_actor_refuses_another_runs_weights(tmp_path, s3_bucket):
 
 
 def test_storage_options_from_the_environment(monkeypatch):
-    from trainer.async_train import OPTIONS_ENV, storage_options_from_env
+    from trainer.config import OPTIONS_ENV, storage_options_from_env
 
     monkeypatch.setenv(OPTIONS_ENV, '{"aws_region": "eu-west-1"}')
     assert storage_options_from_env() == {"aws_region": "eu-west-1"}
@@ -152,7 +152,7 @@ def test_storage_options_from_the_environment(monkeypatch):
 def test_sync_run_with_its_store_on_s3(tmp_path, s3_bucket, monkeypatch):
     """`[run] store = "s3://..."`: generation appends, selection, loading and usage all go
     through the object store; nothing is written to RUN_DIR/store."""
-    from trainer.async_train import OPTIONS_ENV
+    from trainer.config import OPTIONS_ENV
     from trainer.train import train
 
     uri, options = s3_bucket
