@@ -418,7 +418,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_evict)
 
     try:  # generation lives in the trainer package (transformers/torch, vLLM optional)
-        from trainer.generate import add_generate_parser
+        from trainer.rollout.pipeline import add_generate_parser
     except ImportError:  # pragma: no cover - the trainer package ships with rolloutstore
         pass
     else:

@@ -7,9 +7,9 @@
     RolloutStore.open("runs/demo/store").rescore("arith", where="reward = ?", params=[0])
 
 A re-scoring reads each selected rollout's ``prompt_text``, ``completion_text`` and
-reference answer (``metadata`` as written by ``trainer.generate``: ``{"answer": ...,
+reference answer (``metadata`` as written by ``trainer.rollout.pipeline``: ``{"answer": ...,
 "prompt_meta": {...}}``), calls ``task.reward(prompt, completion_text)``, recomputes
-group advantages (``trainer.advantage.group_advantages``) over the new rewards, and
+group advantages (``trainer.algo.advantage.group_advantages``) over the new rewards, and
 appends one row per rollout to ``STORE/rewards.lance`` under ``reward_version`` =
 newest + 1 (version 0 is the reward a rollout was written with). The rollouts
 dataset, and so every token column, is never rewritten.
@@ -137,13 +137,13 @@ def _prompt(prompt_cls, row: dict[str, Any]):
     if not isinstance(meta, dict) or not isinstance(meta.get("answer"), str):
         raise RescoreError(
             f"rollout {rid}: metadata has no 'answer' string; rescore needs the reference "
-            'answer as trainer.generate writes it: {"answer": ..., "prompt_meta": {...}}'
+            'answer as trainer.rollout.pipeline writes it: {"answer": ..., "prompt_meta": {...}}'
         )
     return prompt_cls(row["prompt_text"], meta["answer"], dict(meta.get("prompt_meta") or {}))
 
 
 def _score(task, table: pa.Table, mode: str) -> dict[str, Any]:
-    from trainer.advantage import group_advantages
+    from trainer.algo.advantage import group_advantages
     from trainer.tasks import Prompt
 
     rows = table.to_pylist()

@@ -4,8 +4,8 @@
     python tools/bench_generate.py --prompts 16 --group-size 4 --max-tokens 16   # quick
     python tools/bench_generate.py --backends hf --json runs/bench_generate.json
 
-Builds the tiny random Qwen2 model for the ``arith`` task (:func:`trainer.tiny.make_tiny_model`)
-in a temporary folder and runs the real pipeline, :func:`trainer.generate.generate_rollouts`,
+Builds the tiny random Qwen2 model for the ``arith`` task (:func:`trainer.models.tiny.make_tiny_model`)
+in a temporary folder and runs the real pipeline, :func:`trainer.rollout.pipeline.generate_rollouts`,
 once per backend over the same prompts, seeds and sampling settings, each into its own fresh
 store. The generator and the store are wrapped to time their calls separately:
 
@@ -40,9 +40,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rolloutstore import RolloutStore  # noqa: E402
-from trainer.generate import generate_rollouts  # noqa: E402
+from trainer.models.tiny import make_tiny_model  # noqa: E402
+from trainer.rollout.pipeline import generate_rollouts  # noqa: E402
 from trainer.tasks import get_task  # noqa: E402
-from trainer.tiny import make_tiny_model  # noqa: E402
 
 TASK = "arith"
 
@@ -100,10 +100,10 @@ class TimedStore:
 
 def build_generator(backend: str, model: Path, seed: int) -> Any:
     if backend == "hf":
-        from trainer.hf_generate import HFGenerator
+        from trainer.rollout.hf import HFGenerator
 
         return HFGenerator(model, policy_version=0)
-    from trainer.vllm_generate import VLLMGenerator
+    from trainer.rollout.vllm import VLLMGenerator
 
     return VLLMGenerator(model, policy_version=0, seed=seed, enforce_eager=True)
 

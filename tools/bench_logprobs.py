@@ -36,8 +36,8 @@ def child(method: str, t: int, v: int, h: int, chunk: int, threads: int) -> None
     """Measure one configuration in this (fresh) process and print a JSON line."""
     import torch
 
-    from trainer.logprobs import naive_token_logprobs, token_logprobs
-    from trainer.loss import LossConfig, policy_loss
+    from trainer.algo.logprobs import naive_token_logprobs, token_logprobs
+    from trainer.algo.loss import LossConfig, policy_loss
 
     torch.set_num_threads(threads)
     g = torch.Generator().manual_seed(0)

@@ -3,8 +3,8 @@
     python tools/bench_vllm_update.py                  # 5 in-place updates, 2 restarts
     python tools/bench_vllm_update.py --updates 10 --restarts 1 --eager
 
-Builds the tiny random Qwen2 model for ``arith`` (:func:`trainer.tiny.make_tiny_model`) in a
-temporary folder, starts a :class:`trainer.vllm_generate.VLLMGenerator` as the trainer does
+Builds the tiny random Qwen2 model for ``arith`` (:func:`trainer.models.tiny.make_tiny_model`) in a
+temporary folder, starts a :class:`trainer.rollout.vllm.VLLMGenerator` as the trainer does
 (compiled unless ``--eager``), then times, side by side, the two ways to give it new weights:
 
 - *in place*: ``VLLMGenerator.update_weights(state_dict)`` with a perturbed state dict, split
@@ -31,11 +31,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from trainer.checkpoint import publish_weights  # noqa: E402
-from trainer.hf_generate import max_logprob_gap  # noqa: E402
-from trainer.tiny import make_tiny_model  # noqa: E402
-from trainer.train import load_model  # noqa: E402
-from trainer.vllm_generate import VERIFY_PROMPTS, VLLMGenerator  # noqa: E402
+from trainer.models.load import load_model  # noqa: E402
+from trainer.models.tiny import make_tiny_model  # noqa: E402
+from trainer.rollout.hf import max_logprob_gap  # noqa: E402
+from trainer.rollout.vllm import VERIFY_PROMPTS, VLLMGenerator  # noqa: E402
+from trainer.run.checkpoint import publish_weights  # noqa: E402
 
 
 def perturbed(state: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:

@@ -2,7 +2,7 @@
 
 Usage: ``python tools/make_tiny_model.py PATH --task arith --seed 0`` (see ``--help`` for sizes).
 The result loads with ``transformers`` and vLLM (head_dim 64); identical arguments give
-byte-identical files. Implemented by :func:`trainer.tiny.make_tiny_model`.
+byte-identical files. Implemented by :func:`trainer.models.tiny.make_tiny_model`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 # Running as a script puts tools/ (not the repo root) on sys.path.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trainer.tiny import make_tiny_model  # noqa: E402
+from trainer.models.tiny import make_tiny_model  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,7 +8,7 @@ trajectory ``theta_0 .. theta_T``; the learner sits at ``theta_T`` and its data 
 were sampled from ``theta_{T-s}`` (the behaviour policy mu, whose log-probs are stored with the
 data, as in the replay buffer).
 
-For every loss type, :func:`trainer.loss.policy_loss` is applied to the per-token tensors of a
+For every loss type, :func:`trainer.algo.loss.policy_loss` is applied to the per-token tensors of a
 batch (advantage ``R - J(theta_T)``, the exact value as baseline so the baseline adds no bias;
 aggregation ``seq-mean-token-sum`` so the on-policy expectation is exactly ``-grad J``;
 ``pi_prox`` = the current policy, as in the learner) and differentiated w.r.t. ``theta``.
@@ -37,7 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trainer.loss import LOSS_TYPES, LossConfig, policy_loss  # noqa: E402
+from trainer.algo.loss import LOSS_TYPES, LossConfig, policy_loss  # noqa: E402
 
 STALENESS = (0, 2, 8, 32)
 

@@ -1,7 +1,7 @@
 """Replay vs strictly on-policy RL at the same budget of generated tokens.
 
 Starting from ``examples/arith.toml`` (tiny model, 1-digit addition, supervised warm start),
-three configurations are trained with the sync loop of :func:`trainer.train.train`:
+three configurations are trained with the sync loop of :func:`trainer.run.sync.train`:
 
 * ``onpolicy``: every rollout is used exactly once. Rollouts per round (16 prompts x 8) equal
   ``updates_per_round x batch_size`` (2 x 64); replay ``window`` = rollouts per round,
@@ -197,7 +197,7 @@ def finished(cfg: TrainConfig) -> bool:
 
 def run_one(cfg: TrainConfig, fresh: bool) -> float:
     """Train (or reuse) one run; returns the wall seconds spent (0 when reused)."""
-    from trainer.train import train
+    from trainer.run.sync import train
 
     if not fresh and finished(cfg):
         print(f"reuse {cfg.run.dir}", flush=True)
@@ -412,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     plot(summ, png, args.target, args.correction, args.control_base)
     figures = f"![held-out reward vs generated tokens]({png.name})\n"
     if "replay_control" in arms:
-        from trainer.plot import plot_run
+        from trainer.run.plot import plot_run
 
         run0 = args.run_root / f"replay_control-s{args.seeds[0]}"
         ctl = next(p for p in plot_run(run0) if p.name == "control.png")

@@ -18,7 +18,7 @@ import sys
 import tomllib
 from pathlib import Path
 
-from .config import ConfigError, TrainConfig
+from trainer.config import ConfigError, TrainConfig
 
 
 def _apply_sets(data: dict, sets: list[str]) -> dict:
@@ -54,7 +54,7 @@ def _summary(result) -> None:
 
 
 def cmd_train(a) -> None:
-    from .train import train
+    from trainer.run.sync import train
 
     data = tomllib.loads(Path(a.config).read_text())
     cfg = TrainConfig.from_dict(_apply_sets(data, a.set))
@@ -64,7 +64,7 @@ def cmd_train(a) -> None:
 
 
 def cmd_actor(a) -> None:
-    from .async_train import run_actor
+    from trainer.run.actor import run_actor
 
     source = a.source
     if Path(source).is_file():  # a TOML config: a standalone actor
@@ -93,7 +93,7 @@ def cmd_actor(a) -> None:
 
 
 def cmd_resume(a) -> None:
-    from .train import train
+    from trainer.run.sync import train
 
     meta = json.loads((Path(a.run_dir) / "run.json").read_text())
     data = _apply_sets(meta["config"], a.set)
@@ -103,7 +103,7 @@ def cmd_resume(a) -> None:
 
 
 def cmd_plot(a) -> None:
-    from .plot import plot_run
+    from trainer.run.plot import plot_run
 
     for path in plot_run(a.run_dir):
         print(path)

@@ -5,8 +5,8 @@
     [generation]  backend, group size, sampling, prompts per round
     [replay]      rolloutstore.ReplayConfig
     [replay.control]  trainer.control.ControlConfig (replay-ratio controller, off by default)
-    [loss]        trainer.loss.LossConfig
-    [optim]       trainer.learner.OptimConfig
+    [loss]        trainer.algo.loss.LossConfig
+    [optim]       trainer.algo.learner.OptimConfig
     [run]         dir, seed, steps, updates per round, batch size, checkpoints, mode
 
 Unknown sections or keys and bad values fail before any work starts, naming
@@ -25,10 +25,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 from rolloutstore.replay.config import ReplayConfig
-
-from .control import ControlConfig
-from .learner import OptimConfig
-from .loss import LossConfig
+from trainer.algo.learner import OptimConfig
+from trainer.algo.loss import LossConfig
+from trainer.control import ControlConfig
+from trainer.errors import ConfigError
 
 Backend = Literal["hf", "vllm", "auto"]
 Mode = Literal["sync", "async"]
@@ -150,10 +150,6 @@ SECTIONS: dict[str, type] = {
     "optim": OptimConfig,
     "run": RunConfig,
 }
-
-
-class ConfigError(ValueError):
-    """A config file names an unknown key or a bad value; names ``[section].key``."""
 
 
 def _build(section: str, cls: type, values: dict[str, Any]) -> Any:

@@ -1,6 +1,6 @@
 """The replay-ratio controller: ``[replay.control]`` adjusts replay between generation rounds.
 
-The sync loop (:func:`trainer.train.train`) generates a round, takes ``y`` learner steps on
+The sync loop (:func:`trainer.run.sync.train`) generates a round, takes ``y`` learner steps on
 batches from the buffer, then generates the next round. With the controller on, ``y`` (learner
 steps per round, i.e. the replay ratio up to the constant batch / rollouts-per-round) and/or the
 replay ``fresh_fraction`` are chosen anew at every round boundary from what the last round's
@@ -192,7 +192,7 @@ class ReplayController:
 
     # -- feeding -----------------------------------------------------------------------
     def observe_step(self, m: dict[str, Any]) -> None:
-        """Accumulate one learner step's metrics (keys of :meth:`trainer.learner.Learner.step`)."""
+        """Accumulate one learner step's metrics (keys of :meth:`trainer.algo.learner.Learner.step`)."""
         vals = {
             "ess_frac": m.get("ess_frac"),
             "clip_frac": (m.get("clip_frac_low") or 0.0) + (m.get("clip_frac_high") or 0.0),

@@ -12,7 +12,7 @@ Batch layout (padded, ``pack=False``), right-padded to the longest sequence::
 
     input_ids, attention_mask, position_ids      (B, T)   int64
     loss_mask, behavior_logprobs, advantages     (B, T-1) float32, aligned with
-        trainer.logprobs.sequence_logprobs: column t scores input_ids[:, t+1]
+        trainer.algo.logprobs.sequence_logprobs: column t scores input_ids[:, t+1]
     policy_version, staleness, weights, rewards  (B,)   rewards/advantages: the reward
         version the selector read (newest re-scoring by default; see ``rolloutstore rescore``)
     rollout_ids, run_ids                          list[str]

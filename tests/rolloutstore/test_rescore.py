@@ -15,14 +15,14 @@ from rolloutstore.cli import main
 from rolloutstore.errors import QueryError, RolloutStoreError
 from rolloutstore.replay import ReplayConfig, ReplayDataset, Selector
 from rolloutstore.replay.selector import RewardVersionError
-from trainer.advantage import group_advantages
+from trainer.algo.advantage import group_advantages
 from trainer.tasks import ArithTask, RewardResult, get_task
 
 COMPLETIONS = ("{a}", "{w}", "no idea", "<answer>{a}</answer>")
 
 
 def arith_rows(n_prompts: int = 8, *, policy_version: int = 0, seed: int = 0) -> list[dict]:
-    """Scored arith rollouts as trainer.generate writes them (answer in metadata)."""
+    """Scored arith rollouts as trainer.rollout.pipeline writes them (answer in metadata)."""
     task = get_task("arith")
     rng = np.random.default_rng(seed)
     rows = []

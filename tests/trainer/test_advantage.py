@@ -1,4 +1,4 @@
-"""Tests for trainer.advantage.group_advantages.
+"""Tests for trainer.algo.advantage.group_advantages.
 
 Run: .venv/bin/python -m pytest -q tests/trainer/test_advantage.py
 """
@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from trainer.advantage import group_advantages
+from trainer.algo.advantage import group_advantages
 
 
 def test_grpo_hand_computed() -> None:

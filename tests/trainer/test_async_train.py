@@ -18,8 +18,10 @@ from pathlib import Path
 import pytest
 
 from rolloutstore import RolloutStore
-from trainer.async_train import FAULT_ENV, actor_seed, rounds_ahead
 from trainer.config import TrainConfig
+from trainer.run.actor import actor_seed
+from trainer.run.async_learner import rounds_ahead
+from trainer.run.faults import ACTOR_FAULT_ENV as FAULT_ENV
 
 ROOT = Path(__file__).parents[2]
 MAX_STALENESS = 2
@@ -168,10 +170,10 @@ def test_weights_pruned_while_an_actor_loads_them_read_as_pruned(tmp_path):
     builds its generator: that must be FileNotFoundError (read LATEST again), not a crash."""
     import shutil
 
-    from trainer.async_train import _HFPolicy
-    from trainer.checkpoint import publish_weights
-    from trainer.tiny import make_tiny_model
-    from trainer.train import load_model
+    from trainer.models.load import load_model
+    from trainer.models.tiny import make_tiny_model
+    from trainer.rollout.policy import HFPolicy as _HFPolicy
+    from trainer.run.checkpoint import publish_weights
 
     make_tiny_model(tmp_path / "init", num_layers=1, hidden_size=128)
     model, _ = load_model(tmp_path / "init")

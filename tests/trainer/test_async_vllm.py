@@ -20,7 +20,7 @@ from pathlib import Path
 from helpers import require_vllm
 
 from rolloutstore import RolloutStore
-from trainer.async_train import FAULT_ENV
+from trainer.run.faults import ACTOR_FAULT_ENV as FAULT_ENV
 
 ROOT = Path(__file__).parents[2]
 GROUP, PROMPTS, STEPS = 4, 6, 5

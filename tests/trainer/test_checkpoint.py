@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from trainer import checkpoint as C
+import trainer.run.checkpoint as C
 
 
 def _model(seed=0):

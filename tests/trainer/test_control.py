@@ -216,8 +216,8 @@ def _records(run_dir: Path, kind: str) -> list[dict]:
 
 
 def test_sync_run_with_a_tight_kl_target_walks_y_down_and_logs_each_decision(tmp_path):
-    from trainer.plot import plot_run
-    from trainer.train import train
+    from trainer.run.plot import plot_run
+    from trainer.run.sync import train
 
     run_dir = tmp_path / "run"
     train(TrainConfig.from_dict(_small(run_dir, 8, **TIGHT)), progress=False)

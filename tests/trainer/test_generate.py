@@ -1,4 +1,4 @@
-"""Tests for trainer.generate: task prompts -> scored, grouped, embedded rollouts in a real store.
+"""Tests for trainer.rollout.pipeline: task prompts -> scored, grouped, embedded rollouts in a real store.
 
 Both backends run the same checks; the vLLM one is skipped when ``vllm`` is not installed and
 starts exactly one engine for the module.
@@ -16,7 +16,8 @@ import pytest
 from helpers import require_vllm
 
 from rolloutstore import RolloutStore
-from trainer.generate import (
+from trainer.models.tiny import make_tiny_model
+from trainer.rollout.pipeline import (
     GenerateSummary,
     SamplingConfig,
     add_generate_parser,
@@ -24,7 +25,6 @@ from trainer.generate import (
     resolve_model,
 )
 from trainer.tasks import get_task
-from trainer.tiny import make_tiny_model
 
 N_PROMPTS, GROUP, MAX_TOKENS = 8, 4, 16
 
@@ -37,7 +37,7 @@ def tiny(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def vllm_gen(tiny):
     require_vllm()
-    from trainer.vllm_generate import VLLMGenerator
+    from trainer.rollout.vllm import VLLMGenerator
 
     with VLLMGenerator(tiny, policy_version=3, policy_id="p", seed=0, enforce_eager=True) as gen:
         yield gen
@@ -154,7 +154,7 @@ def test_failed_batch_leaves_earlier_batches_only(tmp_path, tiny) -> None:
                 return rows
             return self.inner.generate(prompts, **kw)
 
-    from trainer.hf_generate import HFGenerator
+    from trainer.rollout.hf import HFGenerator
 
     store = RolloutStore.open(tmp_path / "store")
     with pytest.raises(ValueError):

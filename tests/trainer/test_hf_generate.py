@@ -1,4 +1,4 @@
-"""Tests for trainer.hf_generate: rollout dicts, seeding, and behaviour log-prob consistency.
+"""Tests for trainer.rollout.hf: rollout dicts, seeding, and behaviour log-prob consistency.
 
 The tiny Qwen2 model is built once per module into a temporary directory (nothing downloads).
 Run: .venv/bin/python -m pytest -q tests/trainer/test_hf_generate.py
@@ -17,13 +17,14 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from trainer.hf_generate import (
+from trainer.models.tiny import make_tiny_model
+from trainer.models.tokenizer import tokenizer_fingerprint
+from trainer.rollout.hf import (
     HFGenerator,
     max_logprob_gap,
     process_logits,
     teacher_forced_logprobs,
 )
-from trainer.tiny import make_tiny_model, tokenizer_fingerprint
 
 PROMPTS = ["Compute 1+2. Answer:", "Compute 37+45*2. Answer:"]
 SCHEMA_KEYS = {

@@ -1,4 +1,4 @@
-"""Tests for trainer.logprobs: chunked == naive, sampler processing, memory bound, HF helper."""
+"""Tests for trainer.algo.logprobs: chunked == naive, sampler processing, memory bound, HF helper."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from trainer.logprobs import (
+from trainer.algo.logprobs import (
     naive_token_logprobs,
     packed_target_mask,
     sequence_logprobs,

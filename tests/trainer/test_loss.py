@@ -1,4 +1,4 @@
-"""Tests pinning the math of trainer.loss: gradients, clipping, IS weights, aggregation."""
+"""Tests pinning the math of trainer.algo.loss: gradients, clipping, IS weights, aggregation."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainer.loss import AGGS, LossConfig, policy_loss
+from trainer.algo.loss import AGGS, LossConfig, policy_loss
 
 RATIO_LOSSES = ("ppo", "tis", "icepop", "decoupled", "gspo", "m2po")
 DT = torch.float64

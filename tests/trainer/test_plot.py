@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import json
 
-from trainer.plot import load_metrics, plot_run
+from trainer.run.plot import load_metrics, plot_run
 
 
 def test_plots_every_series_from_metrics(tmp_path):

@@ -12,14 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 
+import trainer.run.checkpoint as C
 from rolloutstore import RolloutStore
 from rolloutstore.ids import deterministic_uuid7
-from trainer import checkpoint as C
-from trainer.async_train import run_actor
 from trainer.config import ConfigError, TrainConfig
-from trainer.hf_generate import max_logprob_gap
-from trainer.tiny import make_tiny_model
-from trainer.train import load_model
+from trainer.models.load import load_model
+from trainer.models.tiny import make_tiny_model
+from trainer.rollout.hf import max_logprob_gap
+from trainer.run.actor import run_actor
 
 ROOT = Path(__file__).parents[2]
 GROUP, PROMPTS, START_MS = 4, 6, 1_700_000_000_000
@@ -153,7 +153,7 @@ def test_sync_run_with_its_store_on_s3(tmp_path, s3_bucket, monkeypatch):
     """`[run] store = "s3://..."`: generation appends, selection, loading and usage all go
     through the object store; nothing is written to RUN_DIR/store."""
     from trainer.config import OPTIONS_ENV
-    from trainer.train import train
+    from trainer.run.sync import train
 
     uri, options = s3_bucket
     monkeypatch.setenv(OPTIONS_ENV, json.dumps(options))

@@ -8,8 +8,8 @@ import pytest
 
 from rolloutstore import RolloutStore
 from trainer.config import TrainConfig
-from trainer.reuse import SourceError
-from trainer.train import train
+from trainer.run.sources import SourceError
+from trainer.run.sync import train
 
 
 def _cfg(run_dir, model=None, **run):
@@ -61,7 +61,7 @@ def test_earlier_runs_are_replayed_with_lineage_and_tokenizer_check(tmp_path):
     assert len(shares) == 2 and max(shares) > 0
 
     # Resuming (or re-running the import) never copies a run twice.
-    from trainer.reuse import import_sources
+    from trainer.run.sources import import_sources
 
     assert (
         import_sources(

@@ -1,4 +1,4 @@
-"""Tests for trainer.tiny and tools/make_tiny_model.py (all offline, built into tmp_path).
+"""Tests for trainer.models.tiny and tools/make_tiny_model.py (all offline, built into tmp_path).
 
 Run: .venv/bin/python -m pytest -q tests/trainer/test_tiny.py
 """
@@ -14,8 +14,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
+from trainer.models.tiny import EOS_TOKEN, PAD_TOKEN, make_tiny_model
+from trainer.models.tokenizer import tokenizer_fingerprint
 from trainer.tasks import get_task
-from trainer.tiny import EOS_TOKEN, PAD_TOKEN, make_tiny_model, tokenizer_fingerprint
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -163,7 +163,7 @@ def test_sync_run_with_vllm_updates_the_engine_in_place_and_verifies_it(tmp_path
     from helpers import require_vllm
 
     require_vllm()
-    from trainer.train import train
+    from trainer.run.sync import train
 
     cfg = TrainConfig.from_dict(
         {

@@ -1,8 +1,8 @@
-"""Tests for trainer.vllm_generate: rollout dicts, seeding, and log-prob fidelity against HF.
+"""Tests for trainer.rollout.vllm: rollout dicts, seeding, and log-prob fidelity against HF.
 
 One vLLM engine is started per module (about 20-30 s on 2 CPU cores) over a tiny Qwen2 model
 built into a temporary directory; its stored behaviour log-probs are compared with
-``trainer.hf_generate.teacher_forced_logprobs`` on the same weights in float32. Tests that need
+``trainer.rollout.hf.teacher_forced_logprobs`` on the same weights in float32. Tests that need
 vLLM skip when it is not installed (see tools/install_vllm_cpu.sh).
 Run: /work/vllm-venv/bin/python -m pytest -q tests/trainer/test_vllm_generate.py
 """
@@ -16,9 +16,10 @@ import pytest
 import torch
 from helpers import require_vllm
 
-from trainer.hf_generate import HFGenerator, max_logprob_gap, teacher_forced_logprobs
-from trainer.tiny import make_tiny_model, tokenizer_fingerprint
-from trainer.vllm_generate import VLLMGenerator, _import_vllm, prompt_seed
+from trainer.models.tiny import make_tiny_model
+from trainer.models.tokenizer import tokenizer_fingerprint
+from trainer.rollout.hf import HFGenerator, max_logprob_gap, teacher_forced_logprobs
+from trainer.rollout.vllm import VLLMGenerator, _import_vllm, prompt_seed
 
 PROMPTS = ["Compute 1+2. Answer:", "Compute 37+45*2. Answer:", "Compute 9-4*7. Answer:"]
 # Float32 on both sides; PLATFORM.md saw ~1e-6, this leaves room for kernel differences.

@@ -1,4 +1,4 @@
-"""In-place vLLM weight updates (trainer.vllm_update): the engine samples from the new weights.
+"""In-place vLLM weight updates (trainer.rollout.vllm_update): the engine samples from the new weights.
 
 One engine per module (about 20-40 s on 2 CPU cores). After each update, vLLM's sampled-token
 log-probs are compared with a teacher-forced transformers recomputation of the new weights
@@ -16,12 +16,12 @@ import pytest
 import torch
 from helpers import require_vllm
 
-import trainer.vllm_update as vllm_update
-from trainer.checkpoint import publish_weights
-from trainer.hf_generate import max_logprob_gap
-from trainer.tiny import make_tiny_model
-from trainer.train import load_model
-from trainer.vllm_update import WeightUpdateError
+import trainer.rollout.vllm_update as vllm_update
+from trainer.models.load import load_model
+from trainer.models.tiny import make_tiny_model
+from trainer.rollout.hf import max_logprob_gap
+from trainer.rollout.vllm_update import WeightUpdateError
+from trainer.run.checkpoint import publish_weights
 
 TOLERANCE = 1e-3  # what the actors accept
 DIFFERENT = 0.05  # a gap this large means "other weights" (matching ones agree to ~1e-6)
@@ -39,7 +39,7 @@ def tiny(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def gen(tiny: Path):
     require_vllm()
-    from trainer.vllm_generate import VLLMGenerator
+    from trainer.rollout.vllm import VLLMGenerator
 
     with VLLMGenerator(tiny, policy_version=0, seed=0, enforce_eager=True) as g:
         yield g

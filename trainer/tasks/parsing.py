@@ -13,6 +13,8 @@ import re
 from collections.abc import Callable
 from fractions import Fraction
 
+from trainer.errors import UnsafeExpressionError
+
 ANSWER_TAG_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 # The look-behind stops "37-45" from parsing as the negative number -45.
 _INT_RE = re.compile(r"(?<![0-9])-?[0-9]+")
@@ -28,10 +30,6 @@ _BINOPS: dict[type[ast.operator], Callable[[Fraction, Fraction], Fraction]] = {
     ast.Mult: operator.mul,
     ast.Div: operator.truediv,
 }
-
-
-class UnsafeExpressionError(ValueError):
-    """The text is not an expression built only from the whitelisted arithmetic."""
 
 
 def extract_tagged(text: str) -> str | None:

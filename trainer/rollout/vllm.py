@@ -1,10 +1,10 @@
 """Sample rollouts with vLLM and record the behaviour log-probs of the distribution sampled from.
 
 :class:`VLLMGenerator` is the fast generation backend. It returns exactly the rollout dicts of
-:class:`trainer.hf_generate.HFGenerator` (same keys, same meaning), so either backend can feed
+:class:`trainer.rollout.hf.HFGenerator` (same keys, same meaning), so either backend can feed
 the store. The engine runs with ``logprobs_mode="processed_logprobs"``: the log-prob recorded for
 each sampled token is taken after temperature, top-k and top-p, i.e. under the distribution the
-token was actually drawn from, which :func:`trainer.hf_generate.teacher_forced_logprobs`
+token was actually drawn from, which :func:`trainer.rollout.hf.teacher_forced_logprobs`
 recomputes (see tests/trainer/test_vllm_generate.py for the measured agreement).
 
 Prompts are tokenised with the checkpoint's Hugging Face tokenizer (as HFGenerator does) and
@@ -12,7 +12,7 @@ handed to vLLM as token ids, and completions are decoded with the same tokenizer
 ``prompt_ids`` and ``completion_text`` do not depend on the backend.
 
 New weights go into the running engine with :meth:`VLLMGenerator.update_weights` (a state dict
-or a published folder; see trainer/vllm_update.py), which then verifies them: a few sampled
+or a published folder; see trainer/rollout/vllm_update.py), which then verifies them: a few sampled
 tokens' log-probs must match a teacher-forced recomputation of the new weights, or the
 generator refuses to generate until an update verifies.
 
@@ -39,8 +39,8 @@ from typing import Any
 
 import torch
 
-from trainer.hf_generate import LOGPROBS_MODE, check_generate_args
-from trainer.vllm_update import EXTENSION, VERIFY_TOLERANCE, WeightUpdateError
+from trainer.rollout.hf import LOGPROBS_MODE, check_generate_args
+from trainer.rollout.vllm_update import EXTENSION, VERIFY_TOLERANCE, WeightUpdateError
 
 VERIFY_PROMPTS = ("Compute 1+2. Answer:", "The answer is", "0 1 2 3 4 5 6 7 8 9")
 
@@ -127,7 +127,7 @@ class VLLMGenerator:
         vllm = _import_vllm()
         from transformers import AutoConfig, AutoTokenizer
 
-        from trainer.tiny import tokenizer_fingerprint
+        from trainer.models.tokenizer import tokenizer_fingerprint
 
         self.model_path = Path(model_path)
         self.policy_version = policy_version
@@ -198,13 +198,13 @@ class VLLMGenerator:
         safetensors file. Afterwards two samples of each of ``verify_prompts`` (with the given
         sampling settings) are drawn and their log-probs compared with a teacher-forced
         transformers recomputation of the *new* weights. A gap above ``tolerance`` raises
-        :class:`~trainer.vllm_update.WeightUpdateError`, and :meth:`generate` refuses to run
+        :class:`~trainer.rollout.vllm_update.WeightUpdateError`, and :meth:`generate` refuses to run
         until an update verifies (restarting the engine from a folder is the way out).
         """
         from safetensors.torch import load_file
 
-        from trainer.hf_generate import max_logprob_gap
-        from trainer.vllm_update import update_weights
+        from trainer.rollout.hf import max_logprob_gap
+        from trainer.rollout.vllm_update import update_weights
 
         if self._llm is None:
             raise RuntimeError("VLLMGenerator is closed")

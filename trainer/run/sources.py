@@ -22,10 +22,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from rolloutstore import RolloutStore
-
-
-class SourceError(ValueError):
-    """An earlier run cannot be reused here (missing, or another tokenizer)."""
+from trainer.errors import SourceError
 
 
 def _open_source(path: str | Path) -> RolloutStore:

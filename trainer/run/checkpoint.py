@@ -33,12 +33,16 @@ import shutil
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow.fs as pafs
 import torch
 from safetensors.torch import load_file, save_file
+
+if TYPE_CHECKING:
+    from trainer.algo.learner import Learner
+    from trainer.config import TrainConfig
 
 STEP_FMT = "step-{:09d}"
 VERSION_FMT = "v-{:09d}"
@@ -325,3 +329,39 @@ def fetch_weights(
         pafs.copy_files(path, str(tmp), source_filesystem=fs)
 
     return _atomic_dir(local, download)
+
+
+def save_run_checkpoint(
+    run_dir: Path,
+    step: int,
+    cfg: TrainConfig,
+    learner: Learner,
+    loader,
+    store,
+    totals,
+    first_eval,
+    schedule: dict[str, Any] | None = None,
+    learner_state: dict[str, Any] | None = None,
+) -> Path:
+    """Checkpoint everything a resume needs: learner state, loader position, store version,
+    and (sync loop) the round schedule with the replay controller's state.
+
+    ``learner_state``: ``learner.state_dict()`` gathered beforehand (FSDP: on every rank)."""
+    if learner_state is None:
+        learner_state = learner.state_dict()
+    return save_checkpoint(
+        run_dir,
+        step,
+        model=learner_state["model"],
+        trainer_state={"learner": learner_state},
+        state={
+            "policy_version": learner.policy_version,
+            "loader": loader.state_dict(),
+            "store_version": store.version,
+            "totals": totals,
+            "first_eval": first_eval,
+            "config": cfg.to_dict(),
+            **({"schedule": schedule} if schedule is not None else {}),
+        },
+        keep=cfg.run.keep_checkpoints,
+    )

@@ -24,7 +24,7 @@ reduce-scattered as a plain *sum* (divide factor 1), the same semantics as DDP's
 grad norm is the global one (the shards' squares all-reduced), so a step equals the DDP step up to
 float rounding of the norm. Whatever needs the full weights — the generator sync, checkpoints,
 published weights, the rank trace — gathers them with a collective that every rank calls
-(:meth:`trainer.learner.Learner.full_weights`, :meth:`~trainer.learner.Learner.state_dict`);
+(:meth:`trainer.algo.learner.Learner.full_weights`, :meth:`~trainer.algo.learner.Learner.state_dict`);
 rank 0 receives them and alone writes. A resume loads the full checkpoint on every rank and
 re-shards it (the same number of ranks, and the same ``run.fsdp``, as the run that wrote it).
 There are no replicas to compare, so the replica check is skipped.
@@ -47,7 +47,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .logprobs import sequence_logprobs
+from trainer.algo.logprobs import sequence_logprobs
 
 __all__ = [
     "Dist",
@@ -144,7 +144,7 @@ def from_env() -> Dist:
 
 
 class LogProbModule(torch.nn.Module):
-    """The learner's forward (:func:`trainer.logprobs.sequence_logprobs`) as a module DDP wraps.
+    """The learner's forward (:func:`trainer.algo.logprobs.sequence_logprobs`) as a module DDP wraps.
 
     The learner scores tokens through the base transformer and a chunked LM head, never
     ``model(...)``; DDP only all-reduces gradients of a forward that ran through its wrapper.
@@ -192,7 +192,7 @@ def shard_learner(learner: Any, d: Dist) -> None:
     norm, LM head). Call right after building the learner with the initial weights (equal on
     every rank: same seed and warm start), *before* restoring a checkpoint: sharding replaces
     the parameters, so the optimizer is rebuilt here, and a restore then re-shards the full
-    checkpoint through :meth:`trainer.learner.Learner.load_state_dict`.
+    checkpoint through :meth:`trainer.algo.learner.Learner.load_state_dict`.
     """
     if not d.enabled:
         raise ValueError(

@@ -163,7 +163,7 @@ class HFGenerator:
         import transformers
         from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-        from trainer.tiny import tokenizer_fingerprint
+        from trainer.models.tokenizer import tokenizer_fingerprint
 
         self.model_path = Path(model_path)
         self.device = torch.device(device)

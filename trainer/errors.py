@@ -1,0 +1,30 @@
+"""Exceptions of the trainer. One root, ``TrainerError``; each subclass also inherits a builtin.
+
+The CLIs print these as one line (no traceback); anything else is a bug.
+"""
+
+from __future__ import annotations
+
+
+class TrainerError(Exception):
+    """Root of every error the trainer raises on purpose."""
+
+
+class ConfigError(TrainerError, ValueError):
+    """A config file names an unknown key or a bad value; names ``[section].key``."""
+
+
+class RunDirError(TrainerError, ValueError):
+    """The run folder does not fit the request (exists already, or holds nothing to resume)."""
+
+
+class SourceError(TrainerError, ValueError):
+    """An earlier run cannot be reused here (missing, or another tokenizer)."""
+
+
+class WeightUpdateError(TrainerError, RuntimeError):
+    """An in-place update failed, or vLLM's outputs do not match the weights it was sent."""
+
+
+class UnsafeExpressionError(TrainerError, ValueError):
+    """The text is not an expression built only from the whitelisted arithmetic."""

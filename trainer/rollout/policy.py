@@ -1,0 +1,228 @@
+"""Policy sync: keeping a generator at the learner's weights, and verifying that it is.
+
+Every loop uses these: the sync loop's :class:`LivePolicy` (the learner's state dict
+copied into a transformers generator, or loaded into a running vLLM engine in place),
+and the async actors' :class:`HFPolicy` / :class:`VLLMPolicy` (published folders loaded
+as they appear). :func:`verify_logprobs` checks a generator's sampled-token log-probs
+against a teacher-forced recomputation of the weights it should hold.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from trainer.algo.learner import Learner
+from trainer.config import TrainConfig
+from trainer.models.load import load_model
+from trainer.rollout.vllm_update import VERIFY_TOLERANCE  # no vLLM import: safe without vLLM
+from trainer.run.checkpoint import publish_weights
+from trainer.tasks import get_task
+
+
+class LivePolicy:
+    """The sync loop's generator, kept at the learner's current weights.
+
+    transformers: one model, the learner's state dict copied in. vLLM: the first
+    version is published as a model folder and the engine started from it; later
+    versions go from the learner's state dict into the running engine (no folder,
+    no restart), and each is verified against a teacher-forced recomputation of the
+    new weights. A failed check is logged and falls back to publishing the version
+    and restarting the engine from it (see VLLMPolicy in trainer/run/async_learner.py).
+    """
+
+    def __init__(self, backend: str, cfg: TrainConfig, model_dir: Path, run_dir: Path, run_id: str):
+        self.backend, self.cfg, self.model_dir, self.run_dir = backend, cfg, model_dir, run_dir
+        self.run_id = run_id
+        self.gen = None
+        self.version: int | None = None
+        self.events: list[dict] = []  # vLLM: one per new version (verification and how loaded)
+        if backend == "hf":
+            from trainer.rollout.hf import HFGenerator
+
+            self.gen = HFGenerator(model_dir, policy_version=0, policy_id=run_id)
+        else:
+            # Quiet: one line per generation round would drown the progress bar; a
+            # failed verification (and its restart) is still printed.
+            self.vllm = VLLMPolicy(cfg, run_id, seed=cfg.run.seed, verbose=False)
+
+    def sync(self, learner: Learner, weights: dict[str, Any] | None = None):
+        """The generator at the learner's weights (``weights``: its gathered state dict)."""
+        v = learner.policy_version
+        if weights is None:
+            weights = learner.model.state_dict()
+        if self.backend == "hf":
+            self.gen.model.load_state_dict(weights)
+            self.gen.policy_version = v
+        elif self.version != v:
+
+            def publish() -> Path:
+                return publish_weights(
+                    self.run_dir / "weights", v, weights, template=self.model_dir
+                )
+
+            self.gen = self.vllm.update(v, weights, publish)
+            self.events.append(
+                {
+                    "policy_version": v,
+                    "max_logprob_gap": self.vllm.last_gap,
+                    "engine_starts": self.vllm.restarts,
+                    "in_place_updates": self.vllm.in_place,
+                }
+            )
+        self.version = v
+        return self.gen
+
+    def close(self) -> None:
+        if self.backend != "hf":
+            self.vllm.close()
+
+
+class HFPolicy:
+    """HF backend: one generator for the actor's life, built from the first published folder
+    (a complete model folder, so an actor needs no local model); later versions load in place."""
+
+    def __init__(self, run_id: str):
+        self.run_id, self.gen = run_id, None
+
+    def load(self, version: int, folder: Path):
+        from safetensors.torch import load_file
+
+        if self.gen is None:
+            self.gen = self._first(version, folder)
+        else:
+            state = load_file(str(folder / "model.safetensors"))  # FileNotFoundError if pruned
+            self.gen.model.load_state_dict(state, strict=True)
+        self.gen.policy_version = version
+        return self.gen
+
+    def _first(self, version: int, folder: Path):
+        """The generator, built from a private copy of ``folder``: a newer publish may prune
+        the folder at any time, and building (config, tokenizer, weights) takes long enough
+        for a learner to publish and prune several versions. A copy is quick; if the folder
+        goes while it is copied, that is FileNotFoundError (the caller reads LATEST again)."""
+        import shutil
+        import tempfile
+
+        from trainer.rollout.hf import HFGenerator
+
+        with tempfile.TemporaryDirectory(prefix="actor-weights-") as tmp:
+            copy = Path(tmp) / folder.name
+            try:
+                shutil.copytree(folder, copy)
+            except (FileNotFoundError, shutil.Error) as exc:
+                raise FileNotFoundError(f"published weights {folder} were pruned") from exc
+            if not all((copy / f).is_file() for f in ("config.json", "model.safetensors")):
+                raise FileNotFoundError(f"published weights {folder} were pruned")
+            return HFGenerator(copy, policy_version=version, policy_id=self.run_id)
+
+    def close(self) -> None:
+        pass
+
+
+class VLLMPolicy:
+    """vLLM backend: one engine per actor life; each new version is loaded in place, verified.
+
+    The first version starts the engine from its published folder (checked by
+    verify_logprobs). Later versions are loaded into the running engine
+    (VLLMGenerator.update_weights, see trainer/rollout/vllm_update.py), after which a few sampled
+    tokens' log-probs must match a teacher-forced recomputation of the new weights within
+    VERIFY_TOLERANCE. An update that fails this check is logged and the engine restarted
+    from the folder, which is verified again; a mismatch there stops the actor.
+    """
+
+    def __init__(self, cfg: TrainConfig, run_id: str, seed: int, *, verbose: bool = True):
+        self.cfg, self.run_id, self.seed, self.verbose = cfg, run_id, seed, verbose
+        self.gen = None
+        self.last_gap: float | None = None  # of the newest verification
+        self.restarts = 0  # engine starts, the first included
+        self.in_place = 0  # versions loaded into the running engine
+
+    def load(self, version: int, folder: Path):
+        """Load the published ``folder`` of ``version`` (FileNotFoundError if it was pruned)."""
+        from safetensors.torch import load_file
+
+        if self.gen is None:
+            return self._restart(version, folder)
+        state = load_file(str(folder / "model.safetensors"))
+        return self.update(version, state, lambda: folder)
+
+    def update(self, version: int, state: dict, folder):
+        """Load ``state`` in place; ``folder()`` publishes it for the restart fallback."""
+        from trainer.rollout.vllm_update import WeightUpdateError
+
+        if self.gen is None:
+            return self._restart(version, folder())
+        g = self.cfg.generation
+        task = get_task(self.cfg.task.name, **self.cfg.task.options)
+        try:
+            u = self.gen.update_weights(
+                state,
+                policy_version=version,
+                verify_prompts=[p.prompt_text for p in task.make_prompts(2, seed=123_457)],
+                temperature=g.temperature,
+                top_p=g.top_p,
+                top_k=g.top_k,
+                max_tokens=g.max_tokens,
+                tolerance=VERIFY_TOLERANCE,
+            )
+        except WeightUpdateError as exc:
+            print(f"policy version {version}: {exc}; restarting the engine", flush=True)
+            return self._restart(version, folder())
+        self.last_gap = u.gap
+        self.in_place += 1
+        if self.verbose:
+            print(
+                f"policy version {version}: updated in place and verified (max log-prob gap "
+                f"{u.gap:.1e}; load {u.update_seconds:.2f} s, verify {u.verify_seconds:.2f} s)",
+                flush=True,
+            )
+        return self.gen
+
+    def _restart(self, version: int, folder: Path):
+        from trainer.rollout.vllm import VLLMGenerator
+
+        self.close()
+        self.gen = VLLMGenerator(
+            folder, policy_version=version, policy_id=self.run_id, seed=self.seed
+        )
+        self.restarts += 1
+        self.last_gap = verify_logprobs(self.gen, folder, self.cfg)
+        if self.verbose:
+            print(
+                f"policy version {version}: engine started from {folder} and verified "
+                f"(max log-prob gap {self.last_gap:.1e})",
+                flush=True,
+            )
+        return self.gen
+
+    def close(self) -> None:
+        if self.gen is not None:
+            self.gen.close()
+            self.gen = None
+
+
+def verify_logprobs(gen: Any, folder: Path, cfg: TrainConfig, prompts: int = 2) -> float:
+    """Largest |generator log-prob - teacher-forced log-prob| on a few samples; raises if > tol."""
+    from trainer.rollout.hf import max_logprob_gap
+
+    g = cfg.generation
+    task = get_task(cfg.task.name, **cfg.task.options)
+    texts = [p.prompt_text for p in task.make_prompts(prompts, seed=123_457)]
+    rows = gen.generate(
+        texts,
+        group_size=2,
+        temperature=g.temperature,
+        top_p=g.top_p,
+        top_k=g.top_k,
+        max_tokens=g.max_tokens,
+        seed=0,
+    )
+    model, _ = load_model(folder)
+    gap = max_logprob_gap(model, rows)
+    if not gap <= VERIFY_TOLERANCE:
+        raise RuntimeError(
+            f"generator log-probs differ from the teacher-forced ones of {folder} by {gap:.2e} "
+            f"(> {VERIFY_TOLERANCE}); refusing to generate with weights it may not hold"
+        )
+    return gap

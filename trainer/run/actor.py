@@ -1,0 +1,239 @@
+"""An async actor: generate rounds into the store with the newest published weights.
+
+    rolloutstore-train actor runs/arith --actor-id 0      # what the learner starts, per actor
+
+See :mod:`trainer.run.async_learner` for the protocol between learner and actors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from rolloutstore import RolloutStore
+from rolloutstore.ids import deterministic_uuid7
+from trainer.config import (
+    STORE_ENV,
+    WEIGHTS_ENV,
+    TrainConfig,
+    configured_location,
+    storage_options_from_env,
+)
+from trainer.errors import ConfigError
+from trainer.rollout.pipeline import generate_rollouts
+from trainer.rollout.policy import HFPolicy, VLLMPolicy
+from trainer.run.checkpoint import fetch_weights, latest_weights, read_text
+from trainer.run.faults import actor_crash
+from trainer.tasks import get_task
+
+POLL_SECONDS = 0.2  # sleep while waiting for rows (learner) or weights (actor)
+
+
+PARENT_ENV = "ROLLOUTSTORE_LEARNER_PID"  # actors started by a learner exit when it is gone
+
+
+def actor_seed(seed: int, actor_id: int, rnd: int) -> int:
+    """Prompt and sampling seed of (actor, round): distinct per pair, stable across restarts."""
+    # SeedSequence mixes the three numbers; keep room below 2**31 for the per-batch "+ b".
+    return int(np.random.SeedSequence([seed, actor_id, rnd]).generate_state(1)[0]) % 2**30
+
+
+def _orphaned() -> bool:
+    """True when the learner that started this actor has exited (we were re-parented)."""
+    parent = os.environ.get(PARENT_ENV)
+    return parent is not None and os.getppid() != int(parent)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)  # atomic: a crash leaves the old round or the new one
+
+
+def _log_line(path: Path, record: dict[str, Any]) -> None:
+    # One write() of one short line in append mode: lines from several processes do not mix.
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def _actor_source(
+    source: str | os.PathLike | TrainConfig,
+    *,
+    weights_dir: str | os.PathLike | None,
+    store_uri: str | None,
+    state_dir: str | os.PathLike | None,
+    options: dict[str, str] | None,
+) -> tuple[TrainConfig, dict[str, Any], str, str | Path, Path, Path | None]:
+    """(config, run meta, store URI, weights location, state folder, run folder or None).
+
+    ``source``: a run folder the learner owns (holds run.json), or a config for a
+    standalone actor, which learns the run id and id time from ``WEIGHTS/run.json``.
+    """
+    if not isinstance(source, TrainConfig) and (Path(source) / "run.json").is_file():
+        run_dir = Path(source).resolve()
+        meta = json.loads((run_dir / "run.json").read_text())
+        cfg = TrainConfig.from_dict(meta["config"])
+        weights = weights_dir or configured_location(cfg, "weights") or run_dir / "weights"
+        store = store_uri or configured_location(cfg, "store") or str(run_dir / "store")
+        return cfg, meta, store, weights, Path(state_dir or run_dir / "actors"), run_dir
+    cfg = source if isinstance(source, TrainConfig) else TrainConfig.load(source)
+    weights = weights_dir or configured_location(cfg, "weights")
+    store = store_uri or configured_location(cfg, "store")
+    if not weights or not store:
+        raise ConfigError(
+            f"a standalone actor needs the shared store and weights: pass --store URI and "
+            f"--learner-weights URI (or [run] store / weights, or ${STORE_ENV} / ${WEIGHTS_ENV}); got store={store!r}, "
+            f"weights={weights!r}"
+        )
+    text = read_text(weights, "run.json", options)
+    if text is None:
+        raise FileNotFoundError(
+            f"no run.json at {weights}: start the learner first (it publishes run.json with "
+            "its first weights), or check --learner-weights"
+        )
+    meta = json.loads(text)
+    if cfg.run.run_id and cfg.run.run_id != meta["run_id"]:
+        raise ConfigError(
+            f"[run].run_id is {cfg.run.run_id!r} but the learner at {weights} runs "
+            f"{meta['run_id']!r}; drop [run].run_id or point --learner-weights at that run"
+        )
+    return cfg, meta, store, weights, Path(state_dir or Path(cfg.run.dir) / "actors"), None
+
+
+def run_actor(
+    source: str | os.PathLike | TrainConfig,
+    actor_id: int,
+    *,
+    weights_dir: str | os.PathLike | None = None,
+    rounds_ahead: int = 2,
+    store_uri: str | None = None,
+    storage_options: dict[str, str] | None = None,
+    state_dir: str | os.PathLike | None = None,
+    max_rounds: int | None = None,
+) -> int:
+    """Actor ``actor_id`` (see the module docstring); returns the rounds it generated.
+
+    ``source``: the run folder (the learner starts actors this way), or a config for a
+    standalone actor on another machine, which needs ``store_uri`` and ``weights_dir``
+    (local paths or object-store URIs; ``storage_options`` default to
+    $ROLLOUTSTORE_STORAGE_OPTIONS). It stops when the learner writes STOP beside the
+    weights, or after ``max_rounds``. ``state_dir`` keeps its next round (a{K}.json)
+    and, for object-store weights, the downloaded versions.
+    """
+    options = storage_options if storage_options is not None else storage_options_from_env()
+    cfg, meta, store_uri, weights_dir, state_dir, run_dir = _actor_source(
+        source, weights_dir=weights_dir, store_uri=store_uri, state_dir=state_dir, options=options
+    )
+    run_id, start_ms = meta["run_id"], meta["start_ms"]
+    g, r = cfg.generation, cfg.run
+    task = get_task(cfg.task.name, **cfg.task.options)
+    store = RolloutStore.open(store_uri, storage_options=options)
+    state_path = state_dir / f"a{actor_id}.json"
+    state_path.parent.mkdir(parents=True, exist_ok=True)
+    rnd = int(_read_json(state_path).get("round", 0))
+    backend = g.backend
+    if backend == "auto":
+        import importlib.util
+
+        backend = "vllm" if importlib.util.find_spec("vllm") else "hf"
+    # Learner and actors share the CPU cores; one thread each avoids oversubscription.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // (r.actors + 1)))
+    policy = (
+        VLLMPolicy(cfg, run_id, seed=r.seed + actor_id) if backend == "vllm" else HFPolicy(run_id)
+    )
+
+    def stopped() -> bool:
+        if max_rounds is not None and rounds >= max_rounds:
+            return True
+        if run_dir is not None and ((run_dir / "STOP").exists() or _orphaned()):
+            return True
+        return read_text(weights_dir, "STOP", options) is not None
+
+    # A round an earlier life started (its first batch is in the store) is finished even if
+    # STOP is already there, so every round in the store ends up complete.
+    first = deterministic_uuid7(f"{run_id}/a{actor_id}/r{rnd}/b0/0", start_ms)
+    unfinished = store.count(filter=f"rollout_id = '{first}'") > 0
+    print(
+        f"actor {actor_id}: pid {os.getpid()}, backend {backend}, store {store_uri}, weights "
+        f"{weights_dir}, starting at round {rnd}"
+        + (" (left unfinished by an earlier life)" if unfinished else ""),
+        flush=True,
+    )
+    gen, version, done_at_version, rounds = None, -1, 0, 0
+    try:
+        while unfinished or not stopped():
+            latest = latest_weights(weights_dir, options)
+            if latest is not None and latest[0] > version:
+                try:
+                    folder = fetch_weights(latest[1], state_dir / "weights", options)
+                    gen = policy.load(latest[0], folder)
+                except FileNotFoundError:
+                    continue  # pruned by a newer publish meanwhile: read LATEST again
+                version, done_at_version = latest[0], 0
+                print(f"actor {actor_id}: loaded policy version {version}", flush=True)
+            if gen is None or (done_at_version >= rounds_ahead and not unfinished):
+                time.sleep(POLL_SECONDS)  # no weights yet, or far enough ahead of the learner
+                continue
+            seed = actor_seed(r.seed, actor_id, rnd)
+            summary = generate_rollouts(
+                store,
+                model=gen,
+                task=task,
+                prompts=task.make_prompts(g.prompts_per_round, seed=seed),
+                group_size=g.group_size,
+                policy_version=version,
+                backend=backend,
+                temperature=g.temperature,
+                top_p=g.top_p,
+                top_k=g.top_k,
+                max_tokens=g.max_tokens,
+                seed=seed,
+                batch_prompts=g.batch_prompts,
+                run_id=run_id,
+                policy_id=run_id,
+                progress=False,
+                id_namespace=f"{run_id}/a{actor_id}/r{rnd}",
+                id_time_ms=start_ms,
+                on_append=lambda b, rnd=rnd: actor_crash(actor_id, rnd, b),
+            )
+            rnd += 1
+            rounds += 1
+            unfinished = False
+            done_at_version += 1
+            _write_json(state_path, {"round": rnd})
+            _log_line(
+                (run_dir or state_dir) / "metrics.jsonl",
+                {
+                    "kind": "generate",
+                    "step": version,  # an actor knows no learner step; version = steps taken
+                    "time": time.time(),
+                    "actor": actor_id,
+                    "round": rnd - 1,
+                    "policy_version": version,
+                    "rollouts": summary.rollouts,
+                    "tokens": summary.tokens,
+                    "reward": summary.mean_reward,
+                    "seconds": summary.seconds,
+                    "store_version": summary.store_version,
+                },
+            )
+            print(
+                f"actor {actor_id}: round {rnd - 1} with version {version}: {summary.line()}",
+                flush=True,
+            )
+    finally:
+        policy.close()
+    return rounds

@@ -1,0 +1,278 @@
+"""Async mode: actor processes generate into the store while a learner trains from it.
+
+    rolloutstore-train train examples/arith.toml --set 'run.mode="async"' --actors 2
+    rolloutstore-train resume runs/arith                  # continues from the newest checkpoint
+    rolloutstore-train actor runs/arith --actor-id 0      # what the learner starts, per actor
+
+The two sides share nothing but files in the run folder:
+
+    RUN_DIR/store        the Lance rollout store; every actor appends, the learner reads
+    RUN_DIR/weights      published policy versions + an atomic LATEST file (learner -> actors)
+    RUN_DIR/actors/      a{K}.json (actor K's next round), a{K}.log (its stdout and stderr)
+    RUN_DIR/STOP         written by the learner at the end: actors finish their round and exit
+
+Learner, top to bottom:
+
+    build or load the model (warm start on a fresh run), publish its weights as the
+    current policy version, start run.actors actor processes
+    repeat until run.steps learner steps:
+        check the actors; restart any that died (logged as kind "actor_restart")
+        wait until the buffer holds run.min_rows eligible rows (window, max_staleness, ...)
+        one learner step on a batch the selector draws for learner_version = policy_version
+        publish the new weights (every PUBLISH_EVERY steps: 1, so actors are at most one
+        generation round behind); metrics, evals and checkpoints as in sync mode
+    write STOP, wait for the actors to exit
+
+Actor K, top to bottom:
+
+    repeat until RUN_DIR/STOP exists (or the learner that started it is gone):
+        if LATEST names a newer version than the loaded one: load it (HF: the safetensors
+        state dict into the generator's model; vLLM: load it into the running engine in
+        place, then check its log-probs against a teacher-forced recomputation; restart
+        the engine from the folder only if that check fails)
+        if this version has already produced `ahead` rounds, wait for newer weights
+        generate round r: prompts and seeds are functions of (run seed, K, r), rollout ids of
+        (run id, K, r, batch), appended in atomic batches; then record r + 1 in a{K}.json
+
+No rollout is lost or duplicated when an actor dies: a restarted actor starts again at the
+round it had not finished (and finishes it even after STOP, so every round in the store is
+complete), and generate_rollouts skips the batches already in the store.
+
+Resume is not bit-for-bit: which policy version generated which round, and so which
+rollouts a learner step can draw, depends on the relative speed of processes. A resumed
+run continues from the newest checkpoint (weights, optimizer, loader step, policy version)
+and each actor from its own next round, so nothing is regenerated and no id repeats.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from rolloutstore import RolloutStore
+from rolloutstore.replay.selector import EmptyBufferError, Selector
+from trainer.config import (
+    TrainConfig,
+    configured_location,
+)
+from trainer.models.load import prepare_model
+from trainer.run.actor import PARENT_ENV, POLL_SECONDS
+from trainer.run.checkpoint import (
+    publish_weights,
+    remove_text,
+    save_run_checkpoint,
+    write_text,
+)
+from trainer.run.faults import ACTOR_FAULT_ENV
+from trainer.run.metrics import Metrics
+from trainer.run.setup import TrainResult, evaluate, run_meta, setup_learner, store_location
+from trainer.tasks import get_task
+
+PUBLISH_EVERY = 1  # learner steps between published weights
+MAX_RESTARTS = 5  # per actor; a crash loop (e.g. a vLLM log-prob mismatch) stops the run
+JOIN_SECONDS = 120.0  # how long the learner lets actors finish their round after STOP
+
+
+def rounds_ahead(cfg: TrainConfig) -> int:
+    """Rounds an actor may generate with one policy version before it waits for newer weights.
+
+    Enough that all actors together can fill ``min_rows`` from a single version (else the
+    learner would wait for rows and the actors for weights, forever), and at least 2 so
+    that actors keep generating while the learner takes its next step.
+    """
+    per_round = cfg.generation.prompts_per_round * cfg.generation.group_size
+    return max(2, math.ceil(cfg.run.min_rows / (cfg.run.actors * per_round)))
+
+
+# -- the learner -----------------------------------------------------------------------------
+class ActorPool:
+    """The learner's actor processes: start, check (restart the dead), stop."""
+
+    def __init__(self, run_dir: Path, n: int, ahead: int, metrics: Metrics):
+        self.run_dir, self.n, self.ahead, self.metrics = run_dir, n, ahead, metrics
+        self.procs: dict[int, subprocess.Popen] = {}
+        self.restarts = dict.fromkeys(range(n), 0)
+        (run_dir / "actors").mkdir(exist_ok=True)
+
+    def start(self, k: int, *, first_life: bool) -> None:
+        # The actor imports this package, wherever the learner was started from.
+        root = str(Path(__file__).resolve().parents[1])
+        path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+        env = {**os.environ, PARENT_ENV: str(os.getpid()), "PYTHONPATH": path}
+        if not first_life:
+            env.pop(ACTOR_FAULT_ENV, None)  # an injected fault kills only the first life
+        cmd = [sys.executable, "-m", "trainer", "actor", str(self.run_dir), "--actor-id", str(k)]
+        cmd += ["--rounds-ahead", str(self.ahead)]
+        with open(self.run_dir / "actors" / f"a{k}.log", "a") as log:  # the child keeps its own
+            self.procs[k] = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+    def start_all(self) -> None:
+        for k in range(self.n):
+            self.start(k, first_life=True)
+
+    def check(self, step: int, write) -> None:
+        """Restart any actor that exited although STOP was not written."""
+        for k, p in self.procs.items():
+            rc = p.poll()
+            if rc is None:
+                continue
+            self.restarts[k] += 1
+            write(
+                f"actor {k} exited with code {rc}; restarting it "
+                f"({self.restarts[k]} restart(s), log {self.run_dir / 'actors' / f'a{k}.log'})"
+            )
+            self.metrics.log(
+                "actor_restart", step, {"actor": k, "returncode": rc, "restarts": self.restarts[k]}
+            )
+            if self.restarts[k] > MAX_RESTARTS:
+                raise RuntimeError(f"actor {k} died {self.restarts[k]} times; see its log")
+            self.start(k, first_life=False)
+
+    def stop(self) -> None:
+        """Write STOP, give actors JOIN_SECONDS to finish their round, then kill stragglers.
+
+        Killing is safe: rows are committed in atomic batches with deterministic ids.
+        """
+        (self.run_dir / "STOP").touch()
+        deadline = time.monotonic() + JOIN_SECONDS
+        for p in self.procs.values():
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def _eligible_rows(selector: Selector, learner_version: int) -> int:
+    try:
+        return selector.candidates(learner_version).num_rows
+    except EmptyBufferError:
+        return 0
+
+
+def async_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> TrainResult:
+    """Run (or resume) the async loop described in the module docstring (learner side)."""
+    from tqdm.auto import tqdm
+
+    from trainer.rollout.hf import HFGenerator
+
+    run_dir = Path(cfg.run.dir).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    meta = run_meta(run_dir, cfg, resume)
+    run_id = meta["run_id"]
+    model_dir = prepare_model(cfg, run_dir)
+    task = get_task(cfg.task.name, **cfg.task.options)
+    store_uri, options = store_location(cfg, run_dir)
+    store = RolloutStore.open(store_uri, storage_options=options)
+    r = cfg.run
+
+    learner, loader, state = setup_learner(cfg, run_dir, run_id, store, task, model_dir, resume)
+    # A second selector only counts eligible rows (it records no usage, draws nothing).
+    counter = Selector(store, cfg.replay, run_id=run_id, record_usage=False)
+    step, totals = 0, {"train_seconds": 0.0, "wait_seconds": 0.0}
+    first_eval = None
+    if state is not None:
+        step, first_eval = state["step"], state.get("first_eval")
+        totals.update({k: v for k, v in state["totals"].items() if k in totals})
+
+    weights_dir = configured_location(cfg, "weights") or run_dir / "weights"
+    # Standalone actors (other machines) learn the run's identity from the weights location.
+    write_text(weights_dir, "run.json", json.dumps(meta), options)
+    remove_text(weights_dir, "STOP", options)
+    publish_weights(
+        weights_dir, learner.policy_version, learner.model, template=model_dir,
+        storage_options=options,
+    )  # fmt: skip
+    (run_dir / "STOP").unlink(missing_ok=True)
+    metrics = Metrics(run_dir)
+    actors = ActorPool(run_dir, r.actors, rounds_ahead(cfg), metrics)
+    generator = HFGenerator(model_dir, policy_version=learner.policy_version, policy_id=run_id)
+
+    def sync_generator() -> None:
+        generator.model.load_state_dict(learner.model.state_dict())
+        generator.policy_version = learner.policy_version
+
+    bar = tqdm(total=r.steps, initial=step, desc="train", unit="step", disable=not progress)
+    last_eval = first_eval
+    try:
+        actors.start_all()  # they start (seconds) and generate while the learner evaluates
+        if first_eval is None:
+            sync_generator()
+            first_eval = last_eval = evaluate(generator, task, cfg)
+            metrics.log("eval", step, {"reward": first_eval})
+        it = iter(loader)
+        waiting = False
+        while step < r.steps:
+            actors.check(step, bar.write)
+            lv = learner.policy_version
+            if _eligible_rows(counter, lv) < r.min_rows:
+                if not waiting:
+                    bar.write(
+                        f"step {step}: waiting for {r.min_rows} eligible rows "
+                        f"(learner version {lv}, {store.count()} rows in the store)"
+                    )
+                    waiting = True
+                t0 = time.perf_counter()
+                time.sleep(POLL_SECONDS)
+                totals["wait_seconds"] += time.perf_counter() - t0
+                continue
+            waiting = False
+            t0 = time.perf_counter()
+            try:
+                batch = next(it)
+            except EmptyBufferError:
+                # Not expected after the count above, but a failed draw ends the
+                # iterator; restart it at the same step and wait for rows.
+                loader.load_state_dict(loader.state_dict())
+                it = iter(loader)
+                continue
+            m = learner.step(batch)
+            totals["train_seconds"] += time.perf_counter() - t0
+            step += 1
+            if step % PUBLISH_EVERY == 0 or step == r.steps:
+                publish_weights(
+                    weights_dir, learner.policy_version, learner.model, template=model_dir,
+                    storage_options=options,
+                )  # fmt: skip
+            stale = batch["staleness"].numpy()
+            pv = batch["policy_version"].numpy()
+            m.update(
+                reward=float(batch["rewards"].mean()),
+                learner_version=lv,
+                staleness_hist={
+                    int(k): int(v) for k, v in zip(*np.unique(stale, return_counts=True))
+                },
+                staleness_max=int(stale.max()),
+                staleness_mean=float(stale.mean()),
+                policy_versions=sorted({int(v) for v in pv}),
+                store_version=int(batch["store_version"]),
+                **totals,
+            )
+            metrics.log("train", step, m)
+            bar.update(1)
+            bar.set_postfix(reward=f"{m['reward']:.2f}", loss=f"{m['loss']:.3f}")
+            if (r.eval_every and step % r.eval_every == 0) or step == r.steps:
+                sync_generator()
+                last_eval = evaluate(generator, task, cfg)
+                metrics.log("eval", step, {"reward": last_eval, **totals})
+                bar.write(f"step {step}: eval reward {last_eval:.3f} (start {first_eval:.3f})")
+            if step % r.checkpoint_every == 0 or step == r.steps:
+                save_run_checkpoint(run_dir, step, cfg, learner, loader, store, totals, first_eval)
+    finally:
+        bar.close()
+        try:
+            write_text(weights_dir, "STOP", "", options)  # standalone actors stop too
+        finally:
+            actors.stop()
+            metrics.close()
+    return TrainResult(run_dir, store_uri, step, first_eval, last_eval)
+
+
+# -- an actor --------------------------------------------------------------------------------

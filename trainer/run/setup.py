@@ -1,0 +1,214 @@
+"""What the sync and async loops share: run folder bookkeeping, warm start, evaluation,
+the store location and the learner with its replay loader (restored from a checkpoint)."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from rolloutstore import RolloutStore
+from rolloutstore.replay.loader import ReplayDataset
+from trainer.algo.learner import Learner
+from trainer.config import TrainConfig, configured_location, storage_options_from_env
+from trainer.errors import RunDirError
+from trainer.models.load import load_model
+from trainer.run.checkpoint import latest_checkpoint, load_checkpoint
+from trainer.run.distributed import Dist, shard_learner, wrap_learner
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    run_dir: Path
+    store: str  # URI: a local folder or s3://...
+    steps: int
+    first_eval: float | None
+    last_eval: float | None
+
+
+def warm_start(
+    model, tokenizer, task, *, steps: int, lr: float, seed: int, batch: int = 32
+) -> list[float]:
+    """Supervised steps on task solutions so that early rewards are not all zero.
+
+    Prompt and answer are tokenized separately and concatenated, exactly as the
+    generator sees them; only answer tokens (and EOS) carry loss.
+    """
+    torch.manual_seed(seed)
+    prompts = task.make_prompts(steps * batch, seed=seed + 7_919)
+    eos = tokenizer.eos_token_id
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    model.train()
+    losses = []
+    for i in range(steps):
+        chunk = prompts[i * batch : (i + 1) * batch]
+        seqs, labels = [], []
+        for p in chunk:
+            pi = tokenizer(p.prompt_text, add_special_tokens=False)["input_ids"]
+            ai = tokenizer(" " + p.answer, add_special_tokens=False)["input_ids"] + [eos]
+            seqs.append(pi + ai)
+            labels.append([-100] * len(pi) + ai)
+        width = max(map(len, seqs))
+        ids = torch.full((len(seqs), width), eos, dtype=torch.long)
+        lab = torch.full((len(seqs), width), -100, dtype=torch.long)
+        att = torch.zeros((len(seqs), width), dtype=torch.long)
+        for j, (s, lb) in enumerate(zip(seqs, labels)):
+            ids[j, : len(s)] = torch.tensor(s)
+            lab[j, : len(lb)] = torch.tensor(lb)
+            att[j, : len(s)] = 1
+        loss = model(input_ids=ids, attention_mask=att, labels=lab).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def evaluate(generator, task, cfg: TrainConfig) -> float:
+    """Mean reward on held-out prompts (one sample each, training temperature, fixed seed)."""
+    n = cfg.task.eval_prompts
+    if n == 0:
+        return float("nan")
+    prompts = task.make_prompts(n, seed=10_000_019 + cfg.run.seed)
+    g = cfg.generation
+    rows = generator.generate(
+        [p.prompt_text for p in prompts],
+        group_size=1,
+        temperature=g.temperature,
+        top_p=g.top_p,
+        top_k=g.top_k,
+        max_tokens=g.max_tokens,
+        seed=cfg.run.seed + 99,
+    )
+    return float(
+        np.mean([task.reward(p, r["completion_text"]).reward for p, r in zip(prompts, rows)])
+    )
+
+
+def store_location(cfg: TrainConfig, run_dir: Path) -> tuple[str, dict[str, str] | None]:
+    """The run's store URI and storage options: [run] store, $ROLLOUTSTORE_STORE_URI, or
+    RUN_DIR/store; options from $ROLLOUTSTORE_STORAGE_OPTIONS (credentials stay out of configs)."""
+    uri = configured_location(cfg, "store") or str(run_dir / "store")
+    return uri, storage_options_from_env()
+
+
+def resolve_backend(name: str) -> str:
+    """``auto`` is vLLM when it is installed, else transformers."""
+    if name != "auto":
+        return name
+    import importlib.util
+
+    return "vllm" if importlib.util.find_spec("vllm") is not None else "hf"
+
+
+def setup_learner(
+    cfg: TrainConfig,
+    run_dir: Path,
+    run_id: str,
+    store: RolloutStore,
+    task,
+    model_dir: Path,
+    resume: bool,
+    dist: Dist | None = None,
+) -> tuple[Learner, ReplayDataset, dict | None]:
+    """The learner and its replay loader, shared by the sync and async loops.
+
+    Imports ``[run].sources`` (idempotent; rank 0 only), then either restores the newest
+    checkpoint (returned as its state dict) or warm-starts the fresh model. With ``dist``
+    the loader yields this rank's share of each step and the learner is DDP-wrapped (or,
+    with ``run.fsdp``, sharded before the restore, which then re-shards the full checkpoint).
+    """
+    g, r = cfg.generation, cfg.run
+    d = dist or Dist()
+    model, tokenizer = load_model(model_dir)
+    if r.sources and d.is_main:
+        from trainer.models.tokenizer import tokenizer_fingerprint
+        from trainer.run.sources import import_sources
+
+        for imp in import_sources(
+            store, r.sources, run_id=run_id, fingerprint=tokenizer_fingerprint(tokenizer)
+        ):
+            print(
+                f"replaying {imp['rollouts']} rollouts of run {imp['run_id']!r} from "
+                f"{imp['source']} (its version {imp['parent_version']} -> this run's -1)"
+            )
+    ckpt = latest_checkpoint(run_dir) if resume else None
+    if ckpt is None and r.warm_start_steps:
+        warm_start(
+            model, tokenizer, task, steps=r.warm_start_steps, lr=r.warm_start_lr, seed=r.seed
+        )
+    learner = Learner(
+        model,
+        cfg.loss,
+        cfg.optim,
+        temperature=g.temperature,
+        top_k=g.top_k or None,
+        top_p=g.top_p if g.top_p < 1 else None,
+        compute_entropy=True,
+        device=d.device,
+    )
+    loader = ReplayDataset(
+        store,
+        cfg.replay,
+        batch_size=r.batch_size,
+        max_tokens_per_batch=r.max_tokens_per_batch or None,
+        pack=r.pack,
+        run_id=run_id,
+        prefetch=0,  # the learner version must be read when each batch is drawn
+        learner_version=lambda _s: learner.policy_version,
+        rank=d.rank,
+        world_size=d.world_size,
+    )
+    if r.fsdp:
+        shard_learner(learner, d)
+    state = None
+    if ckpt is not None:
+        trainer_state, state = load_checkpoint(ckpt, None if r.fsdp else learner.model)
+        learner.load_state_dict(trainer_state["learner"])
+        loader.load_state_dict(state["loader"])
+    if not r.fsdp:
+        wrap_learner(learner, d)
+    return learner, loader, state
+
+
+def run_meta(run_dir: Path, cfg: TrainConfig, resume: bool) -> dict[str, Any]:
+    meta_path = run_dir / "run.json"
+    if meta_path.exists():
+        meta = json.loads(meta_path.read_text())
+        if not resume and latest_checkpoint(run_dir) is not None:
+            raise RunDirError(
+                f"{run_dir} already holds a run; continue it with `rolloutstore-train resume "
+                f"{run_dir}` or choose another [run].dir"
+            )
+        if resume:
+            return meta
+    elif resume:
+        raise RunDirError(f"{run_dir} holds no run to resume (no run.json)")
+    start_ms = cfg.run.id_time_ms or time.time_ns() // 1_000_000
+    meta = {"run_id": cfg.run_id, "start_ms": start_ms, "config": cfg.to_dict()}
+    meta_path.write_text(json.dumps(meta, indent=2))
+    return meta
+
+
+def check_world_size(run_dir: Path, d: Dist) -> None:
+    """Refuse to resume a run with a different number of learner ranks than wrote it."""
+    ckpt = latest_checkpoint(run_dir)
+    if ckpt is None:
+        return
+    saved = json.loads((ckpt / "state.json").read_text())["loader"].get("world_size", 1)
+    if saved != d.world_size:
+        how = (
+            f"torchrun --nproc-per-node {saved} -m trainer resume {run_dir}"
+            if saved > 1
+            else f"rolloutstore-train resume {run_dir}"
+        )
+        raise RunDirError(
+            f"{ckpt} was written by {saved} learner rank(s), this resume has {d.world_size}: "
+            f"each step's draw is split across ranks, so only the same count continues the "
+            f"same run; resume with `{how}`"
+        )
