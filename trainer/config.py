@@ -6,7 +6,7 @@
     [replay]      rolloutstore.ReplayConfig
     [replay.control]  trainer.control.ControlConfig (replay-ratio controller, off by default)
     [loss]        trainer.algo.loss.LossConfig
-    [optim]       trainer.algo.learner.OptimConfig
+    [optim]       trainer.algo.optim.OptimConfig
     [run]         dir, seed, steps, updates per round, batch size, checkpoints, mode
 
 Unknown sections or keys and bad values fail before any work starts, naming
@@ -25,10 +25,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 from rolloutstore.replay.config import ReplayConfig
-from trainer.algo.learner import OptimConfig
 from trainer.algo.loss import LossConfig
+from trainer.algo.optim import OptimConfig
 from trainer.control import ControlConfig
 from trainer.errors import ConfigError
+from trainer.rollout.sampling import SamplingParams
 
 Backend = Literal["hf", "vllm", "auto"]
 Mode = Literal["sync", "async"]
@@ -80,11 +81,21 @@ class GenerationConfig:
             raise ValueError(
                 f"backend must be one of {typing.get_args(Backend)}, got {self.backend!r}"
             )
-        if not self.temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature}")
-        for name in ("group_size", "max_tokens", "prompts_per_round", "batch_prompts"):
+        self.sampling()  # the sampling fields, validated as every generator validates them
+        for name in ("prompts_per_round", "batch_prompts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    def sampling(self, *, group_size: int | None = None, seed: int = 0) -> SamplingParams:
+        """These settings as generator arguments (``group_size`` overrides, e.g. 1 for evals)."""
+        return SamplingParams(
+            group_size=self.group_size if group_size is None else group_size,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            max_tokens=self.max_tokens,
+            seed=seed,
+        )
 
 
 @dataclass(frozen=True)

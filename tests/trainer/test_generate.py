@@ -19,11 +19,11 @@ from rolloutstore import RolloutStore
 from trainer.models.tiny import make_tiny_model
 from trainer.rollout.pipeline import (
     GenerateSummary,
-    SamplingConfig,
     add_generate_parser,
     generate_rollouts,
     resolve_model,
 )
+from trainer.rollout.sampling import SamplingParams
 from trainer.tasks import get_task
 
 N_PROMPTS, GROUP, MAX_TOKENS = 8, 4, 16
@@ -176,7 +176,7 @@ def test_failed_batch_leaves_earlier_batches_only(tmp_path, tiny) -> None:
 def test_sampling_config_validates(kw, match) -> None:
     base = {"group_size": 2}
     with pytest.raises(ValueError, match=match):
-        SamplingConfig(**{**base, **kw})
+        SamplingParams(**{**base, **kw})
 
 
 def test_bad_arguments_fail_before_generating(tmp_path) -> None:

@@ -17,9 +17,10 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from rolloutstore import ReplayConfig, ReplayDataset, RolloutStore
-from trainer.algo.learner import Learner, OptimConfig
+from trainer.algo.learner import Learner
 from trainer.algo.logprobs import sequence_logprobs
 from trainer.algo.loss import LOSS_TYPES, LossConfig
+from trainer.algo.optim import OptimConfig
 
 VOCAB = 97
 REWARDED = 10  # reward = 1 when the completion contains this token

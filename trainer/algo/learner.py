@@ -47,176 +47,26 @@ from __future__ import annotations
 import math
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor
 
-from rolloutstore.replay.loader import micro_batches
+from trainer.algo.batching import (
+    is_packed,
+    num_sequences,
+    split_packed,
+    split_padded,
+    unpack_index,
+)
 from trainer.algo.logprobs import packed_target_mask, sequence_logprobs
 from trainer.algo.loss import LossConfig, policy_loss
+from trainer.algo.optim import OptimConfig
 
-__all__ = ["Learner", "OptimConfig"]
-
-LRSchedule = Literal["constant", "cosine"]
-LR_SCHEDULES = ("constant", "cosine")
-
-# Keys of a batch holding one value per sequence; everything else per token or scalar.
-_SEQ_KEYS = ("policy_version", "staleness", "weights", "rewards", "seq_advantages")
-_TOKEN_KEYS = ("input_ids", "attention_mask", "position_ids")
-_TARGET_KEYS = ("loss_mask", "behavior_logprobs", "advantages")
-
-
-@dataclass(frozen=True)
-class OptimConfig:
-    """AdamW, the LR schedule, gradient accumulation and memory options of the learner."""
-
-    lr: float = field(default=1e-6, metadata={"help": "peak learning rate"})
-    weight_decay: float = field(
-        default=0.0, metadata={"help": "AdamW decoupled weight decay (matrices only)"}
-    )
-    betas: tuple[float, float] = field(default=(0.9, 0.999), metadata={"help": "AdamW betas"})
-    eps: float = field(default=1e-8, metadata={"help": "AdamW epsilon"})
-    grad_clip: float | None = field(
-        default=1.0, metadata={"help": "max global grad norm (None: no clipping)"}
-    )
-    warmup_steps: int = field(default=0, metadata={"help": "linear warmup steps from lr/warmup"})
-    lr_schedule: LRSchedule = field(
-        default="constant", metadata={"help": "after warmup: constant, or cosine to min_lr_ratio"}
-    )
-    total_steps: int | None = field(
-        default=None, metadata={"help": "optimizer steps of the run (required for cosine)"}
-    )
-    min_lr_ratio: float = field(default=0.0, metadata={"help": "cosine floor as a fraction of lr"})
-    micro_batch_tokens: int | None = field(
-        default=None,
-        metadata={
-            "help": "split a single batch dict into micro-batches of at most this many tokens"
-        },
-    )
-    grad_checkpointing: bool = field(
-        default=False, metadata={"help": "recompute activations in backward (HF models)"}
-    )
-    seed: int = field(default=0, metadata={"help": "torch seed set at construction (dropout)"})
-
-    def __post_init__(self) -> None:
-        for name in ("lr", "weight_decay", "eps", "min_lr_ratio"):
-            value = getattr(self, name)
-            if not (isinstance(value, float | int) and math.isfinite(value)):
-                raise ValueError(f"OptimConfig.{name} must be a finite number, got {value!r}")
-        if not self.lr > 0:
-            raise ValueError(f"OptimConfig.lr must be > 0, got {self.lr!r}")
-        if self.weight_decay < 0:
-            raise ValueError(f"OptimConfig.weight_decay must be >= 0, got {self.weight_decay!r}")
-        if not self.eps > 0:
-            raise ValueError(f"OptimConfig.eps must be > 0, got {self.eps!r}")
-        betas = tuple(self.betas)
-        if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
-            raise ValueError(f"OptimConfig.betas must be two values in [0, 1), got {self.betas!r}")
-        object.__setattr__(self, "betas", (float(betas[0]), float(betas[1])))
-        if self.grad_clip is not None and not (
-            math.isfinite(self.grad_clip) and self.grad_clip > 0
-        ):
-            raise ValueError(f"OptimConfig.grad_clip must be > 0 or None, got {self.grad_clip!r}")
-        if not _is_int(self.warmup_steps) or self.warmup_steps < 0:
-            raise ValueError(
-                f"OptimConfig.warmup_steps must be an int >= 0, got {self.warmup_steps!r}"
-            )
-        if self.lr_schedule not in LR_SCHEDULES:
-            raise ValueError(
-                f"OptimConfig.lr_schedule must be one of {LR_SCHEDULES}, got {self.lr_schedule!r}"
-            )
-        if self.total_steps is not None and (not _is_int(self.total_steps) or self.total_steps < 1):
-            raise ValueError(
-                f"OptimConfig.total_steps must be a positive int or None, got {self.total_steps!r}"
-            )
-        if self.lr_schedule == "cosine" and self.total_steps is None:
-            raise ValueError("OptimConfig.lr_schedule='cosine' requires total_steps, got None")
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ValueError(
-                f"OptimConfig.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}"
-            )
-        mbt = self.micro_batch_tokens
-        if mbt is not None and (not _is_int(mbt) or mbt < 1):
-            raise ValueError(f"OptimConfig.micro_batch_tokens must be a positive int, got {mbt!r}")
-        if not _is_int(self.seed):
-            raise ValueError(f"OptimConfig.seed must be an int, got {self.seed!r}")
-
-    def lr_factor(self, step: int) -> float:
-        """Multiplier of ``lr`` at optimizer step ``step`` (0-based)."""
-        if step < self.warmup_steps:
-            return (step + 1) / self.warmup_steps
-        if self.lr_schedule == "constant":
-            return 1.0
-        assert self.total_steps is not None
-        decay_steps = max(1, self.total_steps - self.warmup_steps)
-        progress = min(1.0, (step - self.warmup_steps) / decay_steps)
-        cos = 0.5 * (1.0 + math.cos(math.pi * progress))
-        return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * cos
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int | np.integer) and not isinstance(value, bool)
+__all__ = ["Learner"]
 
 
 # -- batch plumbing ------------------------------------------------------------------------
-
-
-def _is_packed(batch: dict[str, Any]) -> bool:
-    return "cu_seqlens" in batch
-
-
-def _num_sequences(batch: dict[str, Any]) -> int:
-    return len(batch["weights"])
-
-
-def _split_padded(batch: dict[str, Any], max_tokens: int) -> list[dict[str, Any]]:
-    """Micro-batches of whole sequences, each trimmed to its own longest sequence."""
-    lengths = batch["attention_mask"].sum(dim=1).cpu().numpy()
-    out = []
-    for idx in micro_batches(lengths, max_tokens):
-        width = int(lengths[idx].max())
-        ix = torch.from_numpy(idx)
-        mb = {k: batch[k][ix, :width] for k in _TOKEN_KEYS}
-        mb.update({k: batch[k][ix, : width - 1] for k in _TARGET_KEYS})
-        mb.update({k: batch[k][ix] for k in _SEQ_KEYS if k in batch})
-        out.append(mb)
-    return out
-
-
-def _split_packed(batch: dict[str, Any], max_tokens: int) -> list[dict[str, Any]]:
-    """Micro-batches of consecutive packed sequences, cut at ``cu_seqlens`` boundaries."""
-    cu = batch["cu_seqlens"].long().cpu().numpy()
-    out = []
-    for idx in micro_batches(np.diff(cu), max_tokens):
-        i, j = int(idx[0]), int(idx[-1]) + 1  # sequences i..j-1, tokens cu[i]..cu[j]-1
-        a, b = int(cu[i]), int(cu[j])
-        mb = {k: batch[k][:, a:b] for k in _TOKEN_KEYS}
-        # Target column t scores token t+1: tokens a..b-1 are scored by columns a-1..b-2, and
-        # column a-1 (scoring sequence i's first token from the previous one) is masked anyway.
-        mb.update({k: batch[k][:, a : b - 1] for k in _TARGET_KEYS})
-        mb.update({k: batch[k][i:j] for k in _SEQ_KEYS if k in batch})
-        mb["cu_seqlens"] = torch.from_numpy((cu[i : j + 1] - a).astype(np.int32))
-        out.append(mb)
-    return out
-
-
-def _unpack_index(cu_seqlens: Tensor) -> tuple[Tensor, Tensor]:
-    """``(n, L-1)`` indices into the packed target columns, and their validity.
-
-    Row ``i`` column ``j`` is packed column ``cu[i] + j``, the log-prob of sequence ``i``'s token
-    ``j + 1`` — the same layout as row ``i`` of the padded batch.
-    """
-    cu = cu_seqlens.long()
-    lengths = cu[1:] - cu[:-1]
-    width = max(int(lengths.max()) - 1, 1)
-    j = torch.arange(width, device=cu.device)
-    valid = j[None, :] < (lengths[:, None] - 1)
-    last = int(cu[-1]) - 2  # the last packed target column
-    index = torch.clamp(cu[:-1, None] + j[None, :], max=max(last, 0))
-    return index, valid
 
 
 # -- the learner ---------------------------------------------------------------------------
@@ -502,14 +352,14 @@ class Learner:
             mbs = [batch]
             budget = self.optim_cfg.micro_batch_tokens
             if budget is not None and int(batch["attention_mask"].sum()) > budget:
-                split = _split_packed if _is_packed(batch) else _split_padded
+                split = split_packed if is_packed(batch) else split_padded
                 mbs = split(batch, budget)
         else:
             mbs = list(batch)
             if not mbs:
                 raise ValueError("Learner.step got an empty list of micro-batches")
         tokens = sum(int(self._target_mask(mb).sum()) for mb in mbs)
-        seqs = sum(_num_sequences(mb) for mb in mbs)
+        seqs = sum(num_sequences(mb) for mb in mbs)
         # The loader's totals win when present (read from the batch itself: a split drops them).
         first = batch if isinstance(batch, dict) else mbs[0]
         tokens = int(first.get("step_loss_tokens", tokens))
@@ -526,7 +376,7 @@ class Learner:
     @staticmethod
     def _target_mask(mb: dict[str, Any]) -> Tensor:
         mask = mb["loss_mask"] > 0
-        if _is_packed(mb):
+        if is_packed(mb):
             mask = mask & packed_target_mask(mb["position_ids"])
         return mask
 
@@ -543,7 +393,7 @@ class Learner:
 
     def _logprobs(self, model: Any, mb: dict[str, Any], entropy: bool):
         """Per-token log-probs (and entropies) in the per-sequence ``(n, L-1)`` layout."""
-        packed = _is_packed(mb)
+        packed = is_packed(mb)
         kwargs = dict(
             # Packed rows rely on the restarting position ids for isolation (see logprobs.py).
             attention_mask=None if packed else mb["attention_mask"],
@@ -566,7 +416,7 @@ class Learner:
             out = sequence_logprobs(model, mb["input_ids"], **kwargs)
             logp, ent = out.logprobs, out.entropy
         if packed:
-            index, _ = _unpack_index(mb["cu_seqlens"])
+            index, _ = unpack_index(mb["cu_seqlens"])
             logp = logp[0][index]
             ent = ent[0][index] if ent is not None else None
         return logp, ent
@@ -575,8 +425,8 @@ class Learner:
         """(mask, behaviour log-probs, advantages), all ``(n, L-1)``."""
         mask = self._target_mask(mb)
         blp, adv = mb["behavior_logprobs"], mb["advantages"]
-        if _is_packed(mb):
-            index, valid = _unpack_index(mb["cu_seqlens"])
+        if is_packed(mb):
+            index, valid = unpack_index(mb["cu_seqlens"])
             mask = mask[0][index] & valid
             blp, adv = blp[0][index], adv[0][index]
         return mask, blp, adv

@@ -46,13 +46,14 @@ instead of re-scaling the surviving tokens.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Literal, get_args
 
 import torch
 from torch import Tensor
 
-__all__ = ["Agg", "LossConfig", "LossOutput", "LossType", "policy_loss"]
+__all__ = ["LOSSES", "Agg", "LossConfig", "LossOutput", "LossType", "policy_loss"]
 
 LossType = Literal["ppo", "tis", "icepop", "decoupled", "gspo", "asymre", "m2po"]
 Agg = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
@@ -208,6 +209,167 @@ def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
     return torch.where(mask, x, torch.zeros_like(x)).sum() / mask.sum().clamp(min=1)
 
 
+@dataclass(frozen=True)
+class _Tokens:
+    """The sanitised ``(B, T)`` inputs every per-loss function reads (masked positions are 0)."""
+
+    lp: Tensor  # current log-probs, with grad
+    mu: Tensor  # behaviour log-probs
+    old: Tensor  # pi_old: prox_logp when given, else lp detached
+    adv: Tensor  # advantages, expanded to (B, T)
+    mask: Tensor  # bool
+    zero: Tensor  # a 0-dim zero of the right dtype/device
+
+    @property
+    def log_r(self) -> Tensor:  # log pi_theta / mu, with grad
+        return self.lp - self.mu
+
+
+@dataclass(frozen=True)
+class _PG:
+    """What a per-loss function returns: the per-token policy-gradient loss and what the
+    diagnostics need (the detached IS weight applied, the tokens kept, the clipped ratio)."""
+
+    pg: Tensor
+    weight: Tensor
+    keep: Tensor
+    clip_ratio: Tensor | None = None
+
+
+def _ppo(t: _Tokens, cfg: LossConfig) -> _PG:
+    ratio = _exp_ratio(t.log_r)
+    pg = _clip_surrogate(ratio, t.adv, cfg.eps_low, cfg.eps_high)
+    return _PG(pg, ratio.detach(), t.mask, ratio)
+
+
+def _proximal(t: _Tokens, cfg: LossConfig) -> _PG:
+    """tis / icepop / decoupled: an IS weight k = pi_old / mu times a clip around pi_old."""
+    k = _exp_ratio(t.old - t.mu)
+    keep = t.mask
+    if cfg.loss_type == "tis":
+        weight = torch.clamp(k, max=cfg.tis_cap)
+    elif cfg.loss_type == "icepop":
+        keep = t.mask & (k >= cfg.icepop_low) & (k <= cfg.icepop_high)
+        weight = torch.where(keep, k, t.zero)
+    else:  # decoupled
+        weight = k if cfg.decoupled_cap is None else torch.clamp(k, max=cfg.decoupled_cap)
+    ratio = _exp_ratio(t.lp - t.old)
+    return _PG(
+        weight * _clip_surrogate(ratio, t.adv, cfg.eps_low, cfg.eps_high), weight, keep, ratio
+    )
+
+
+def _gspo(t: _Tokens, cfg: LossConfig) -> _PG:
+    n_valid = t.mask.sum(dim=-1, keepdim=True).clamp(min=1)
+    seq_log_r = (t.log_r.detach().sum(dim=-1, keepdim=True) / n_valid).expand(t.lp.shape)
+    ratio = _exp_ratio(seq_log_r + t.lp - t.lp.detach())
+    pg = _clip_surrogate(ratio, t.adv, cfg.eps_low, cfg.eps_high)
+    return _PG(pg, ratio.detach(), t.mask, ratio)
+
+
+def _asymre(t: _Tokens, cfg: LossConfig) -> _PG:
+    return _PG(-(t.adv - cfg.asymre_delta) * t.lp, _exp_ratio(t.log_r.detach()), t.mask)
+
+
+def _m2po(t: _Tokens, cfg: LossConfig) -> _PG:
+    log_r = t.log_r
+    keep = _m2po_keep(log_r, t.mask, cfg.m2po_tau)
+    ratio = _exp_ratio(log_r)
+    pg = torch.where(keep, -ratio * t.adv, t.zero)
+    return _PG(pg, torch.where(keep, ratio.detach(), t.zero), keep)
+
+
+# loss_type -> per-token policy-gradient loss; the aggregation and diagnostics are shared.
+LOSSES: dict[str, Callable[[_Tokens, LossConfig], _PG]] = {
+    "ppo": _ppo,
+    "tis": _proximal,
+    "icepop": _proximal,
+    "decoupled": _proximal,
+    "gspo": _gspo,
+    "asymre": _asymre,
+    "m2po": _m2po,
+}
+assert set(LOSSES) == set(LOSS_TYPES)
+
+
+def _check_inputs(logp: Tensor, advantages: Tensor, cfg: LossConfig, **named) -> Tensor:
+    """Raise ValueError on a shape or option mismatch; return advantages as (B, T') 2-D."""
+    if cfg.loss_type not in LOSS_TYPES:
+        raise ValueError(f"unknown loss_type {cfg.loss_type!r}; expected one of {LOSS_TYPES}")
+    if cfg.agg not in AGGS:
+        raise ValueError(f"unknown agg {cfg.agg!r}; expected one of {AGGS}")
+    if logp.dim() != 2:
+        raise ValueError(f"logp must be (B, T), got shape {tuple(logp.shape)}")
+    shape = logp.shape
+    for name in ("behavior_logp", "mask", "prox_logp", "ref_logp", "entropy"):
+        t = named[name]
+        if t is not None and t.shape != shape:
+            raise ValueError(f"{name} shape {tuple(t.shape)} != logp shape {tuple(shape)}")
+    for name in ("seq_weights", "staleness"):
+        t = named[name]
+        if t is not None and tuple(t.shape) != (shape[0],):
+            raise ValueError(f"{name} must be (B,)=({shape[0]},), got {tuple(t.shape)}")
+    needs = (
+        (cfg.loss_type == "decoupled", "prox_logp", "loss_type 'decoupled' requires prox_logp"),
+        (cfg.kl_coef > 0, "ref_logp", f"kl_coef={cfg.kl_coef} requires ref_logp"),
+        (cfg.entropy_coef > 0, "entropy", f"entropy_coef={cfg.entropy_coef} requires entropy"),
+        (
+            cfg.staleness_decay is not None,
+            "staleness",
+            f"staleness_decay={cfg.staleness_decay} requires staleness",
+        ),
+    )
+    for needed, name, message in needs:
+        if needed and named[name] is None:
+            raise ValueError(message)
+    if advantages.dim() == 1:
+        advantages = advantages[:, None]
+    if (
+        advantages.dim() != 2
+        or advantages.shape[0] != shape[0]
+        or advantages.shape[1] not in (1, shape[1])
+    ):
+        raise ValueError(
+            f"advantages must be (B, T), (B,) or (B, 1) with B={shape[0]}, "
+            f"got {tuple(advantages.shape)}"
+        )
+    return advantages
+
+
+def _diagnostics(
+    t: _Tokens, out: _PG, cfg: LossConfig, loss: Tensor, pg_loss: Tensor, **extra
+) -> LossOutput:
+    """Detached diagnostics of the weight and clip actually applied (see :class:`LossOutput`)."""
+    mask, zero = t.mask, t.zero
+    with torch.no_grad():
+        n_valid = mask.sum().clamp(min=1)
+        if out.clip_ratio is not None:
+            r = out.clip_ratio.detach()
+            low = mask & (r < 1.0 - cfg.eps_low) & (t.adv < 0) & out.keep
+            high = mask & (r > 1.0 + cfg.eps_high) & (t.adv > 0) & out.keep
+            clip_low, clip_high = low.sum() / n_valid, high.sum() / n_valid
+        else:
+            clip_low = clip_high = zero.clone()
+        w = torch.where(mask, out.weight, zero)
+        sum_w, sum_w2 = w.sum(), (w * w).sum()
+        ess = torch.where(sum_w2 > 0, sum_w**2 / (n_valid * sum_w2), zero)
+        lr = t.log_r.detach()
+        # k3 of KL(mu || pi_theta) from tokens sampled by mu: (r - 1) - log r >= 0.
+        approx_kl = _masked_mean(_exp_ratio(lr) - 1.0 - lr, mask)
+        return LossOutput(
+            loss=loss,
+            pg_loss=pg_loss,
+            clip_frac_low=clip_low,
+            clip_frac_high=clip_high,
+            is_weight_mean=sum_w / n_valid,
+            is_weight_max=w.max() if w.numel() else zero.clone(),
+            ess_frac=ess,
+            masked_frac=(mask & ~out.keep).sum() / n_valid,
+            approx_kl=approx_kl,
+            **extra,
+        )
+
+
 def policy_loss(
     logp: Tensor,
     behavior_logp: Tensor,
@@ -246,52 +408,12 @@ def policy_loss(
     The per-token loss is ``pg + kl_coef * k3(ref || pi) - entropy_coef * entropy``, multiplied
     by the per-sequence weights, then aggregated with ``cfg.agg``.
     """
-    if cfg.loss_type not in LOSS_TYPES:
-        raise ValueError(f"unknown loss_type {cfg.loss_type!r}; expected one of {LOSS_TYPES}")
-    if cfg.agg not in AGGS:
-        raise ValueError(f"unknown agg {cfg.agg!r}; expected one of {AGGS}")
-    if logp.dim() != 2:
-        raise ValueError(f"logp must be (B, T), got shape {tuple(logp.shape)}")
-    shape = logp.shape
-    named = {
-        "behavior_logp": behavior_logp,
-        "mask": mask,
-        "prox_logp": prox_logp,
-        "ref_logp": ref_logp,
-        "entropy": entropy,
-    }
-    for name, t in named.items():
-        if t is not None and t.shape != shape:
-            raise ValueError(f"{name} shape {tuple(t.shape)} != logp shape {tuple(shape)}")
-    for name, t in (("seq_weights", seq_weights), ("staleness", staleness)):
-        if t is not None and tuple(t.shape) != (shape[0],):
-            raise ValueError(f"{name} must be (B,)=({shape[0]},), got {tuple(t.shape)}")
-    if cfg.loss_type == "decoupled" and prox_logp is None:
-        raise ValueError("loss_type 'decoupled' requires prox_logp")
-    if cfg.kl_coef > 0 and ref_logp is None:
-        raise ValueError(f"kl_coef={cfg.kl_coef} requires ref_logp")
-    if cfg.entropy_coef > 0 and entropy is None:
-        raise ValueError(f"entropy_coef={cfg.entropy_coef} requires entropy")
-    if cfg.staleness_decay is not None and staleness is None:
-        raise ValueError(f"staleness_decay={cfg.staleness_decay} requires staleness")
-
+    advantages = _check_inputs(
+        logp, advantages, cfg, behavior_logp=behavior_logp, mask=mask, prox_logp=prox_logp,
+        ref_logp=ref_logp, entropy=entropy, seq_weights=seq_weights, staleness=staleness,
+    )  # fmt: skip
+    shape, dtype = logp.shape, logp.dtype
     mask = mask.bool()
-    if advantages.dim() == 1:
-        advantages = advantages[:, None]
-    if (
-        advantages.dim() != 2
-        or advantages.shape[0] != shape[0]
-        or advantages.shape[1]
-        not in (
-            1,
-            shape[1],
-        )
-    ):
-        raise ValueError(
-            f"advantages must be (B, T), (B,) or (B, 1) with B={shape[0]}, "
-            f"got {tuple(advantages.shape)}"
-        )
-    dtype = logp.dtype
 
     def clean(t: Tensor) -> Tensor:
         # Sanitise *before* any arithmetic so padding garbage (-inf, nan) can never reach a
@@ -299,47 +421,17 @@ def policy_loss(
         return torch.where(mask, t.to(dtype), torch.zeros((), dtype=dtype, device=t.device))
 
     lp = clean(logp)
-    mu = clean(behavior_logp.detach())
-    adv = clean(advantages.detach().expand(shape))
-    old = clean(prox_logp.detach()) if prox_logp is not None else lp.detach()
-    zero = torch.zeros((), dtype=dtype, device=lp.device)
+    t = _Tokens(
+        lp=lp,
+        mu=clean(behavior_logp.detach()),
+        old=clean(prox_logp.detach()) if prox_logp is not None else lp.detach(),
+        adv=clean(advantages.detach().expand(shape)),
+        mask=mask,
+        zero=torch.zeros((), dtype=dtype, device=lp.device),
+    )
+    out = LOSSES[cfg.loss_type](t, cfg)
 
-    log_r = lp - mu  # log pi_theta / mu, with grad
-    weight = None  # detached IS weight applied per token, if any
-    keep = mask
-    clip_ratio = None  # ratio the clip acts on, for the clip-fraction diagnostics
-    lt = cfg.loss_type
-    if lt == "ppo":
-        clip_ratio = _exp_ratio(log_r)
-        pg = _clip_surrogate(clip_ratio, adv, cfg.eps_low, cfg.eps_high)
-        weight = clip_ratio.detach()
-    elif lt in ("tis", "icepop", "decoupled"):
-        k = _exp_ratio(old - mu)
-        if lt == "tis":
-            weight = torch.clamp(k, max=cfg.tis_cap)
-        elif lt == "icepop":
-            keep = mask & (k >= cfg.icepop_low) & (k <= cfg.icepop_high)
-            weight = torch.where(keep, k, zero)
-        else:
-            weight = k if cfg.decoupled_cap is None else torch.clamp(k, max=cfg.decoupled_cap)
-        clip_ratio = _exp_ratio(lp - old)
-        pg = weight * _clip_surrogate(clip_ratio, adv, cfg.eps_low, cfg.eps_high)
-    elif lt == "gspo":
-        n_valid = mask.sum(dim=-1, keepdim=True).clamp(min=1)
-        seq_log_r = (log_r.detach().sum(dim=-1, keepdim=True) / n_valid).expand(shape)
-        clip_ratio = _exp_ratio(seq_log_r + lp - lp.detach())
-        pg = _clip_surrogate(clip_ratio, adv, cfg.eps_low, cfg.eps_high)
-        weight = clip_ratio.detach()
-    elif lt == "asymre":
-        pg = -(adv - cfg.asymre_delta) * lp
-        weight = _exp_ratio(log_r.detach())
-    else:  # m2po
-        keep = _m2po_keep(log_r, mask, cfg.m2po_tau)
-        ratio = _exp_ratio(log_r)
-        pg = torch.where(keep, -ratio * adv, zero)
-        weight = torch.where(keep, ratio.detach(), zero)
-
-    per_token = pg
+    per_token = out.pg
     kl_ref = None
     if ref_logp is not None:
         ref = clean(ref_logp.detach())
@@ -362,36 +454,15 @@ def policy_loss(
 
     loss = _aggregate(per_token, mask, cfg.agg, num_tokens_global, num_seqs_global)
     pg_loss = _aggregate(
-        pg.detach() * seq_w[:, None], mask, cfg.agg, num_tokens_global, num_seqs_global
+        out.pg.detach() * seq_w[:, None], mask, cfg.agg, num_tokens_global, num_seqs_global
     )
-
-    with torch.no_grad():
-        n_valid = mask.sum().clamp(min=1)
-        if clip_ratio is not None:
-            r = clip_ratio.detach()
-            low = mask & (r < 1.0 - cfg.eps_low) & (adv < 0) & keep
-            high = mask & (r > 1.0 + cfg.eps_high) & (adv > 0) & keep
-            clip_low, clip_high = low.sum() / n_valid, high.sum() / n_valid
-        else:
-            clip_low = clip_high = zero.clone()
-        w = torch.where(mask, weight, zero)
-        sum_w, sum_w2 = w.sum(), (w * w).sum()
-        ess = torch.where(sum_w2 > 0, sum_w**2 / (n_valid * sum_w2), zero)
-        lr = log_r.detach()
-        # k3 of KL(mu || pi_theta) from tokens sampled by mu: (r - 1) - log r >= 0.
-        approx_kl = _masked_mean(_exp_ratio(lr) - 1.0 - lr, mask)
-        out = LossOutput(
-            loss=loss,
-            pg_loss=pg_loss,
-            clip_frac_low=clip_low,
-            clip_frac_high=clip_high,
-            is_weight_mean=sum_w / n_valid,
-            is_weight_max=w.max() if w.numel() else zero.clone(),
-            ess_frac=ess,
-            masked_frac=(mask & ~keep).sum() / n_valid,
-            approx_kl=approx_kl,
-            entropy=_masked_mean(ent.detach(), mask) if ent is not None else None,
-            mean_staleness=staleness.detach().to(dtype).mean() if staleness is not None else None,
-            kl_ref=kl_ref,
-        )
-    return out
+    return _diagnostics(
+        t,
+        out,
+        cfg,
+        loss,
+        pg_loss,
+        entropy=_masked_mean(ent.detach(), mask) if ent is not None else None,
+        mean_staleness=staleness.detach().to(dtype).mean() if staleness is not None else None,
+        kl_ref=kl_ref,
+    )

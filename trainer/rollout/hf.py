@@ -26,32 +26,9 @@ from typing import Any
 
 import torch
 
+from trainer.rollout.sampling import check_generate_args, check_processing
+
 LOGPROBS_MODE = "processed_logprobs"
-
-
-def check_generate_args(
-    prompts: Any, group_size: Any, max_tokens: Any, temperature: Any, top_p: Any, top_k: Any
-) -> None:
-    """The argument checks every generator's ``generate`` shares (ValueError naming the value)."""
-    if isinstance(prompts, str) or not all(isinstance(p, str) for p in prompts):
-        raise ValueError("prompts must be a list of str")
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
-        raise ValueError(f"group_size must be an int >= 1, got {group_size!r}")
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-        raise ValueError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
-    _check_sampling(temperature, top_p, top_k)
-
-
-def _check_sampling(temperature: float, top_p: float, top_k: int) -> None:
-    if not temperature > 0:
-        raise ValueError(
-            f"temperature must be > 0, got {temperature}; greedy decoding is not supported "
-            "because its behaviour log-probs are degenerate"
-        )
-    if not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
-        raise ValueError(f"top_k must be an int >= 0 (0 disables it), got {top_k!r}")
 
 
 def process_logits(
@@ -64,7 +41,7 @@ def process_logits(
     the tokens whose ascending cumulative probability is <= 1 - top_p, always keeping the
     most likely token.
     """
-    _check_sampling(temperature, top_p, top_k)
+    check_processing(temperature, top_p, top_k)
     scores = logits.float()
     if temperature != 1.0:
         scores = scores / temperature
@@ -95,7 +72,7 @@ def teacher_forced_logprobs(
     with the sampling settings and gathers each completion token's log-prob. Gradients flow if
     the caller has them enabled; wrap in ``torch.no_grad()`` for evaluation.
     """
-    _check_sampling(temperature, top_p, top_k)
+    check_processing(temperature, top_p, top_k)
     prompt = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(-1)
     completion = torch.as_tensor(completion_ids, dtype=torch.long).reshape(-1)
     if prompt.numel() == 0:
@@ -213,7 +190,10 @@ class HFGenerator:
         seed: int = 0,
     ) -> list[dict[str, Any]]:
         """Sample ``group_size`` completions per prompt; one dict per completion, prompt-major."""
-        check_generate_args(prompts, group_size, max_tokens, temperature, top_p, top_k)
+        check_generate_args(
+            prompts, group_size=group_size, temperature=temperature, top_p=top_p, top_k=top_k,
+            max_tokens=max_tokens, seed=seed,
+        )  # fmt: skip
         if not prompts:
             return []
 

@@ -32,7 +32,7 @@ import json
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -41,6 +41,7 @@ import numpy as np
 from rolloutstore.ids import deterministic_uuid7
 from trainer.algo.advantage import group_advantages
 from trainer.rollout.embed import HashingEmbedder
+from trainer.rollout.sampling import SamplingParams, _not_int
 from trainer.tasks import Prompt, Task, get_task
 
 BACKENDS = ("vllm", "hf")
@@ -87,36 +88,6 @@ class GenerateSummary:
             f"mean reward {self.mean_reward:.4f}, {self.tokens_per_s:.1f} tokens/s "
             f"({self.seconds:.1f} s, store version {self.store_version})"
         )
-
-
-@dataclass(frozen=True)
-class SamplingConfig:
-    """Validated sampling settings shared by both backends (``top_k=0`` disables top-k)."""
-
-    group_size: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_tokens: int = 64
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if _not_int(self.group_size) or self.group_size < 1:
-            raise ValueError(f"group_size must be an int >= 1, got {self.group_size!r}")
-        if not self.temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if _not_int(self.top_k) or self.top_k < 0:
-            raise ValueError(f"top_k must be an int >= 0 (0 disables it), got {self.top_k!r}")
-        if _not_int(self.max_tokens) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
-        if _not_int(self.seed) or self.seed < 0:
-            raise ValueError(f"seed must be an int >= 0, got {self.seed!r}")
-
-
-def _not_int(v: object) -> bool:
-    return isinstance(v, bool) or not isinstance(v, int)
 
 
 def make_generator(
@@ -200,7 +171,7 @@ def generate_rollouts(
     """
     from tqdm.auto import tqdm
 
-    sampling = SamplingConfig(group_size, temperature, top_p, top_k, max_tokens, seed)
+    sampling = SamplingParams(group_size, temperature, top_p, top_k, max_tokens, seed)
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose one of {list(BACKENDS)}")
     if _not_int(batch_prompts) or batch_prompts < 1:
@@ -210,14 +181,7 @@ def generate_rollouts(
     if not isinstance(run_id, str) or not run_id:
         raise ValueError(f"run_id must be a non-empty str, got {run_id!r}")
     task_obj = get_task(task) if isinstance(task, str) else task
-    if isinstance(prompts, int) and not isinstance(prompts, bool):
-        if prompts < 1:
-            raise ValueError(f"prompts must be >= 1, got {prompts}")
-        prompt_objs = task_obj.make_prompts(prompts, seed)
-    else:
-        prompt_objs = list(prompts)
-        if not prompt_objs or not all(isinstance(p, Prompt) for p in prompt_objs):
-            raise ValueError("prompts must be a count >= 1 or a non-empty list of Prompt")
+    prompt_objs = _resolve_prompts(task_obj, prompts, seed)
     if embedder is None:
         embedder = HashingEmbedder(dim=store.embedding_dim)
 
@@ -235,10 +199,6 @@ def generate_rollouts(
             f"policy_version {policy_version} does not match the generator's policy_version "
             f"{recorded}; the store would record the wrong policy"
         )
-    rollouts = tokens = 0
-    reward_sum = 0.0
-    version = store.version
-    start = time.perf_counter()
     try:
         bar = tqdm(
             total=len(prompt_objs) * group_size,
@@ -246,46 +206,16 @@ def generate_rollouts(
             desc=f"generate[{backend if owned else type(gen).__name__}]",
             disable=not progress,
         )
-        # Batch b is appended on a writer thread while batch b+1 generates (one append in
-        # flight, in order), so the store write costs generation almost no time.
-        pending = None
-        waited = 0.0
-
-        def finish(p) -> None:
-            nonlocal version, rollouts, tokens, reward_sum, waited
-            b, fut, rows = p
-            t0 = time.perf_counter()
-            version = fut.result().version
-            waited += time.perf_counter() - t0
-            if on_append is not None:
-                on_append(b)
-            rollouts += len(rows)
-            tokens += sum(len(r["completion_ids"]) for r in rows)
-            reward_sum += sum(r["reward"] for r in rows)
-            elapsed = time.perf_counter() - start
-            bar.update(len(rows))
-            bar.set_postfix(
-                reward=f"{reward_sum / rollouts:.3f}",
-                tok_s=f"{tokens / max(elapsed, 1e-9):.0f}",
-            )
-
-        with bar, ThreadPoolExecutor(max_workers=1, thread_name_prefix="store-append") as pool:
+        with bar, _Writer(store, bar, on_append) as writer:
             for b, lo in enumerate(range(0, len(prompt_objs), batch_prompts)):
                 batch = prompt_objs[lo : lo + batch_prompts]
-                if id_namespace is not None:
-                    first = deterministic_uuid7(f"{id_namespace}/b{b}/0", id_time_ms)
-                    if store.count(filter=f"rollout_id = '{first}'"):
-                        # Already appended by an earlier (crashed) attempt: batches are atomic.
-                        bar.update(len(batch) * group_size)
-                        continue
+                ids = _BatchIds(id_namespace, b, id_time_ms) if id_namespace is not None else None
+                if ids is not None and store.count(filter=f"rollout_id = '{ids.rollout(0)}'"):
+                    # Already appended by an earlier (crashed) attempt: batches are atomic.
+                    bar.update(len(batch) * group_size)
+                    continue
                 rows = gen.generate(
-                    [p.prompt_text for p in batch],
-                    group_size=sampling.group_size,
-                    temperature=sampling.temperature,
-                    top_p=sampling.top_p,
-                    top_k=sampling.top_k,
-                    max_tokens=sampling.max_tokens,
-                    seed=sampling.seed + b,
+                    [p.prompt_text for p in batch], **replace(sampling, seed=seed + b).kwargs()
                 )
                 if len(rows) != len(batch) * group_size:
                     raise RuntimeError(
@@ -293,31 +223,99 @@ def generate_rollouts(
                         f"group {group_size}"
                     )
                 _finish_rows(rows, batch, task_obj, embedder, store.embedding_dim, run_id)
-                if id_namespace is not None:
+                if ids is not None:
                     for k, row in enumerate(rows):
-                        row["rollout_id"] = deterministic_uuid7(
-                            f"{id_namespace}/b{b}/{k}", id_time_ms
-                        )
-                        row["group_id"] = f"{id_namespace}/b{b}/g{k // group_size}"
-                if pending is not None:
-                    finish(pending)
-                pending = (b, pool.submit(store.append, rows), rows)
-            if pending is not None:
-                finish(pending)
-        seconds = time.perf_counter() - start
+                        row["rollout_id"] = ids.rollout(k)
+                        row["group_id"] = ids.group(k // group_size)
+                writer.submit(b, rows)
+        seconds = time.perf_counter() - writer.start
     finally:
         # Stopping an engine takes seconds; it is not part of the measured time.
         if owned and hasattr(gen, "close"):
             gen.close()
     return GenerateSummary(
-        rollouts=rollouts,
-        tokens=tokens,
-        mean_reward=reward_sum / rollouts if rollouts else float("nan"),
-        tokens_per_s=tokens / seconds if seconds > 0 else float("inf"),
+        rollouts=writer.rollouts,
+        tokens=writer.tokens,
+        mean_reward=writer.reward_sum / writer.rollouts if writer.rollouts else float("nan"),
+        tokens_per_s=writer.tokens / seconds if seconds > 0 else float("inf"),
         seconds=seconds,
-        store_version=version,
-        store_wait_s=waited,
+        store_version=writer.version,
+        store_wait_s=writer.waited,
     )
+
+
+def _resolve_prompts(task: Task, prompts: int | Sequence[Prompt], seed: int) -> list[Prompt]:
+    if isinstance(prompts, int) and not isinstance(prompts, bool):
+        if prompts < 1:
+            raise ValueError(f"prompts must be >= 1, got {prompts}")
+        return task.make_prompts(prompts, seed)
+    prompt_objs = list(prompts)
+    if not prompt_objs or not all(isinstance(p, Prompt) for p in prompt_objs):
+        raise ValueError("prompts must be a count >= 1 or a non-empty list of Prompt")
+    return prompt_objs
+
+
+@dataclass(frozen=True)
+class _BatchIds:
+    """Deterministic rollout and group ids of batch ``b`` under ``namespace``."""
+
+    namespace: str
+    b: int
+    time_ms: int
+
+    def rollout(self, k: int) -> str:
+        return deterministic_uuid7(f"{self.namespace}/b{self.b}/{k}", self.time_ms)
+
+    def group(self, g: int) -> str:
+        return f"{self.namespace}/b{self.b}/g{g}"
+
+
+class _Writer:
+    """Appends batch b on a writer thread while batch b+1 generates (one append in flight,
+    in order), so the store write costs generation almost no time; keeps the totals."""
+
+    def __init__(self, store: Any, bar: Any, on_append: Any | None):
+        self.store, self.bar, self.on_append = store, bar, on_append
+        self.version = store.version
+        self.rollouts = self.tokens = 0
+        self.reward_sum = self.waited = 0.0
+        self.start = time.perf_counter()
+        self.pending = None
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="store-append")
+
+    def __enter__(self) -> _Writer:
+        return self
+
+    def __exit__(self, exc_type, *_) -> None:
+        try:
+            if exc_type is None:
+                self._finish()
+        finally:
+            self.pool.shutdown(wait=True)
+
+    def submit(self, b: int, rows: list[dict[str, Any]]) -> None:
+        self._finish()
+        self.pending = (b, self.pool.submit(self.store.append, rows), rows)
+
+    def _finish(self) -> None:
+        if self.pending is None:
+            return
+        b, fut, rows = self.pending
+        self.pending = None
+        t0 = time.perf_counter()
+        self.version = fut.result().version
+        self.waited += time.perf_counter() - t0
+        if self.on_append is not None:
+            self.on_append(b)
+        self.rollouts += len(rows)
+        self.tokens += sum(len(r["completion_ids"]) for r in rows)
+        self.reward_sum += sum(r["reward"] for r in rows)
+        elapsed = time.perf_counter() - self.start
+        self.bar.update(len(rows))
+        self.bar.set_postfix(
+            reward=f"{self.reward_sum / self.rollouts:.3f}",
+            tok_s=f"{self.tokens / max(elapsed, 1e-9):.0f}",
+        )
 
 
 def _finish_rows(
@@ -432,3 +430,12 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+def resolve_backend(name: str) -> str:
+    """``auto`` is vLLM when it is installed, else transformers."""
+    if name != "auto":
+        return name
+    import importlib.util
+
+    return "vllm" if importlib.util.find_spec("vllm") is not None else "hf"

@@ -209,15 +209,7 @@ def verify_logprobs(gen: Any, folder: Path, cfg: TrainConfig, prompts: int = 2) 
     g = cfg.generation
     task = get_task(cfg.task.name, **cfg.task.options)
     texts = [p.prompt_text for p in task.make_prompts(prompts, seed=123_457)]
-    rows = gen.generate(
-        texts,
-        group_size=2,
-        temperature=g.temperature,
-        top_p=g.top_p,
-        top_k=g.top_k,
-        max_tokens=g.max_tokens,
-        seed=0,
-    )
+    rows = gen.generate(texts, **g.sampling(group_size=2, seed=0).kwargs())
     model, _ = load_model(folder)
     gap = max_logprob_gap(model, rows)
     if not gap <= VERIFY_TOLERANCE:

@@ -39,7 +39,8 @@ from typing import Any
 
 import torch
 
-from trainer.rollout.hf import LOGPROBS_MODE, check_generate_args
+from trainer.rollout.hf import LOGPROBS_MODE
+from trainer.rollout.sampling import check_generate_args
 from trainer.rollout.vllm_update import EXTENSION, VERIFY_TOLERANCE, WeightUpdateError
 
 VERIFY_PROMPTS = ("Compute 1+2. Answer:", "The answer is", "0 1 2 3 4 5 6 7 8 9")
@@ -285,9 +286,10 @@ class VLLMGenerator:
         return self._generate(prompts, group_size, temperature, top_p, top_k, max_tokens, seed)
 
     def _generate(self, prompts, group_size, temperature, top_p, top_k, max_tokens, seed):
-        check_generate_args(prompts, group_size, max_tokens, temperature, top_p, top_k)
-        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-            raise ValueError(f"seed must be an int >= 0, got {seed!r}")
+        check_generate_args(
+            prompts, group_size=group_size, temperature=temperature, top_p=top_p, top_k=top_k,
+            max_tokens=max_tokens, seed=seed,
+        )  # fmt: skip
         if not prompts:
             return []
         from vllm import SamplingParams

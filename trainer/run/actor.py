@@ -26,7 +26,7 @@ from trainer.config import (
     storage_options_from_env,
 )
 from trainer.errors import ConfigError
-from trainer.rollout.pipeline import generate_rollouts
+from trainer.rollout.pipeline import generate_rollouts, resolve_backend
 from trainer.rollout.policy import HFPolicy, VLLMPolicy
 from trainer.run.checkpoint import fetch_weights, latest_weights, read_text
 from trainer.run.faults import actor_crash
@@ -144,11 +144,7 @@ def run_actor(
     state_path = state_dir / f"a{actor_id}.json"
     state_path.parent.mkdir(parents=True, exist_ok=True)
     rnd = int(_read_json(state_path).get("round", 0))
-    backend = g.backend
-    if backend == "auto":
-        import importlib.util
-
-        backend = "vllm" if importlib.util.find_spec("vllm") else "hf"
+    backend = resolve_backend(g.backend)
     # Learner and actors share the CPU cores; one thread each avoids oversubscription.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // (r.actors + 1)))
     policy = (
@@ -187,28 +183,7 @@ def run_actor(
             if gen is None or (done_at_version >= rounds_ahead and not unfinished):
                 time.sleep(POLL_SECONDS)  # no weights yet, or far enough ahead of the learner
                 continue
-            seed = actor_seed(r.seed, actor_id, rnd)
-            summary = generate_rollouts(
-                store,
-                model=gen,
-                task=task,
-                prompts=task.make_prompts(g.prompts_per_round, seed=seed),
-                group_size=g.group_size,
-                policy_version=version,
-                backend=backend,
-                temperature=g.temperature,
-                top_p=g.top_p,
-                top_k=g.top_k,
-                max_tokens=g.max_tokens,
-                seed=seed,
-                batch_prompts=g.batch_prompts,
-                run_id=run_id,
-                policy_id=run_id,
-                progress=False,
-                id_namespace=f"{run_id}/a{actor_id}/r{rnd}",
-                id_time_ms=start_ms,
-                on_append=lambda b, rnd=rnd: actor_crash(actor_id, rnd, b),
-            )
+            summary = _generate_round(cfg, store, task, gen, version, backend, actor_id, rnd, meta)
             rnd += 1
             rounds += 1
             unfinished = False
@@ -216,19 +191,7 @@ def run_actor(
             _write_json(state_path, {"round": rnd})
             _log_line(
                 (run_dir or state_dir) / "metrics.jsonl",
-                {
-                    "kind": "generate",
-                    "step": version,  # an actor knows no learner step; version = steps taken
-                    "time": time.time(),
-                    "actor": actor_id,
-                    "round": rnd - 1,
-                    "policy_version": version,
-                    "rollouts": summary.rollouts,
-                    "tokens": summary.tokens,
-                    "reward": summary.mean_reward,
-                    "seconds": summary.seconds,
-                    "store_version": summary.store_version,
-                },
+                _round_record(summary, actor_id, rnd - 1, version),
             )
             print(
                 f"actor {actor_id}: round {rnd - 1} with version {version}: {summary.line()}",
@@ -237,3 +200,43 @@ def run_actor(
     finally:
         policy.close()
     return rounds
+
+
+def _generate_round(
+    cfg, store, task, gen, version: int, backend: str, actor_id: int, rnd: int, meta
+):
+    """Round ``rnd`` of this actor: prompts, seeds and ids are functions of (seed, actor, round)."""
+    g, run_id = cfg.generation, meta["run_id"]
+    seed = actor_seed(cfg.run.seed, actor_id, rnd)
+    return generate_rollouts(
+        store,
+        model=gen,
+        task=task,
+        prompts=task.make_prompts(g.prompts_per_round, seed=seed),
+        policy_version=version,
+        backend=backend,
+        **g.sampling(seed=seed).kwargs(),
+        batch_prompts=g.batch_prompts,
+        run_id=run_id,
+        policy_id=run_id,
+        progress=False,
+        id_namespace=f"{run_id}/a{actor_id}/r{rnd}",
+        id_time_ms=meta["start_ms"],
+        on_append=lambda b: actor_crash(actor_id, rnd, b),
+    )
+
+
+def _round_record(summary, actor_id: int, rnd: int, version: int) -> dict[str, Any]:
+    return {
+        "kind": "generate",
+        "step": version,  # an actor knows no learner step; version = steps taken
+        "time": time.time(),
+        "actor": actor_id,
+        "round": rnd,
+        "policy_version": version,
+        "rollouts": summary.rollouts,
+        "tokens": summary.tokens,
+        "reward": summary.mean_reward,
+        "seconds": summary.seconds,
+        "store_version": summary.store_version,
+    }

@@ -53,6 +53,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -218,10 +219,8 @@ def async_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True
                         f"step {step}: waiting for {r.min_rows} eligible rows "
                         f"(learner version {lv}, {store.count()} rows in the store)"
                     )
-                    waiting = True
-                t0 = time.perf_counter()
-                time.sleep(POLL_SECONDS)
-                totals["wait_seconds"] += time.perf_counter() - t0
+                waiting = True
+                totals["wait_seconds"] += _sleep(POLL_SECONDS)
                 continue
             waiting = False
             t0 = time.perf_counter()
@@ -241,20 +240,7 @@ def async_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True
                     weights_dir, learner.policy_version, learner.model, template=model_dir,
                     storage_options=options,
                 )  # fmt: skip
-            stale = batch["staleness"].numpy()
-            pv = batch["policy_version"].numpy()
-            m.update(
-                reward=float(batch["rewards"].mean()),
-                learner_version=lv,
-                staleness_hist={
-                    int(k): int(v) for k, v in zip(*np.unique(stale, return_counts=True))
-                },
-                staleness_max=int(stale.max()),
-                staleness_mean=float(stale.mean()),
-                policy_versions=sorted({int(v) for v in pv}),
-                store_version=int(batch["store_version"]),
-                **totals,
-            )
+            m.update(_batch_metrics(batch, lv), **totals)
             metrics.log("train", step, m)
             bar.update(1)
             bar.set_postfix(reward=f"{m['reward']:.2f}", loss=f"{m['loss']:.3f}")
@@ -276,3 +262,23 @@ def async_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True
 
 
 # -- an actor --------------------------------------------------------------------------------
+
+
+def _sleep(seconds: float) -> float:
+    t0 = time.perf_counter()
+    time.sleep(seconds)
+    return time.perf_counter() - t0
+
+
+def _batch_metrics(batch: dict[str, Any], learner_version: int) -> dict[str, Any]:
+    """What a train record says of its batch: reward, staleness, policy versions drawn."""
+    stale = batch["staleness"].numpy()
+    return {
+        "reward": float(batch["rewards"].mean()),
+        "learner_version": learner_version,
+        "staleness_hist": {int(k): int(v) for k, v in zip(*np.unique(stale, return_counts=True))},
+        "staleness_max": int(stale.max()),
+        "staleness_mean": float(stale.mean()),
+        "policy_versions": sorted({int(v) for v in batch["policy_version"].numpy()}),
+        "store_version": int(batch["store_version"]),
+    }

@@ -76,15 +76,8 @@ def evaluate(generator, task, cfg: TrainConfig) -> float:
         return float("nan")
     prompts = task.make_prompts(n, seed=10_000_019 + cfg.run.seed)
     g = cfg.generation
-    rows = generator.generate(
-        [p.prompt_text for p in prompts],
-        group_size=1,
-        temperature=g.temperature,
-        top_p=g.top_p,
-        top_k=g.top_k,
-        max_tokens=g.max_tokens,
-        seed=cfg.run.seed + 99,
-    )
+    sampling = g.sampling(group_size=1, seed=cfg.run.seed + 99)
+    rows = generator.generate([p.prompt_text for p in prompts], **sampling.kwargs())
     return float(
         np.mean([task.reward(p, r["completion_text"]).reward for p, r in zip(prompts, rows)])
     )
@@ -95,15 +88,6 @@ def store_location(cfg: TrainConfig, run_dir: Path) -> tuple[str, dict[str, str]
     RUN_DIR/store; options from $ROLLOUTSTORE_STORAGE_OPTIONS (credentials stay out of configs)."""
     uri = configured_location(cfg, "store") or str(run_dir / "store")
     return uri, storage_options_from_env()
-
-
-def resolve_backend(name: str) -> str:
-    """``auto`` is vLLM when it is installed, else transformers."""
-    if name != "auto":
-        return name
-    import importlib.util
-
-    return "vllm" if importlib.util.find_spec("vllm") is not None else "hf"
 
 
 def setup_learner(

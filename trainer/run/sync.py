@@ -43,7 +43,7 @@ from trainer.config import TrainConfig
 from trainer.control import ReplayController
 from trainer.errors import RunDirError
 from trainer.models.load import prepare_model
-from trainer.rollout.pipeline import generate_rollouts
+from trainer.rollout.pipeline import generate_rollouts, resolve_backend
 from trainer.rollout.policy import LivePolicy
 from trainer.run.checkpoint import publish_weights, save_run_checkpoint
 from trainer.run.distributed import Dist, batch_view, trace
@@ -54,7 +54,6 @@ from trainer.run.setup import (
     TrainResult,
     check_world_size,
     evaluate,
-    resolve_backend,
     run_meta,
     setup_learner,
     store_location,
@@ -292,14 +291,9 @@ def _generation_round(
         model=generator,
         task=task,
         prompts=task.make_prompts(g.prompts_per_round, seed=r.seed * 1_000_003 + rnd),
-        group_size=g.group_size,
         policy_version=policy_version,
         backend="hf",
-        temperature=g.temperature,
-        top_p=g.top_p,
-        top_k=g.top_k,
-        max_tokens=g.max_tokens,
-        seed=r.seed * 1_000_003 + rnd,
+        **g.sampling(seed=r.seed * 1_000_003 + rnd).kwargs(),
         batch_prompts=g.batch_prompts,
         run_id=run_id,
         policy_id=run_id,

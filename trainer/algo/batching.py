@@ -1,0 +1,79 @@
+"""Splitting a replay batch (padded or packed) into micro-batches, and unpacking packed rows.
+
+A padded batch splits along sequences; a packed one along ``cu_seqlens``. Per-sequence keys
+(``_SEQ_KEYS``) follow their sequences; per-token keys their tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from rolloutstore.replay.loader import micro_batches
+
+# Keys of a batch holding one value per sequence; everything else per token or scalar.
+_SEQ_KEYS = ("policy_version", "staleness", "weights", "rewards", "seq_advantages")
+
+
+_TOKEN_KEYS = ("input_ids", "attention_mask", "position_ids")
+
+
+_TARGET_KEYS = ("loss_mask", "behavior_logprobs", "advantages")
+
+
+def is_packed(batch: dict[str, Any]) -> bool:
+    return "cu_seqlens" in batch
+
+
+def num_sequences(batch: dict[str, Any]) -> int:
+    return len(batch["weights"])
+
+
+def split_padded(batch: dict[str, Any], max_tokens: int) -> list[dict[str, Any]]:
+    """Micro-batches of whole sequences, each trimmed to its own longest sequence."""
+    lengths = batch["attention_mask"].sum(dim=1).cpu().numpy()
+    out = []
+    for idx in micro_batches(lengths, max_tokens):
+        width = int(lengths[idx].max())
+        ix = torch.from_numpy(idx)
+        mb = {k: batch[k][ix, :width] for k in _TOKEN_KEYS}
+        mb.update({k: batch[k][ix, : width - 1] for k in _TARGET_KEYS})
+        mb.update({k: batch[k][ix] for k in _SEQ_KEYS if k in batch})
+        out.append(mb)
+    return out
+
+
+def split_packed(batch: dict[str, Any], max_tokens: int) -> list[dict[str, Any]]:
+    """Micro-batches of consecutive packed sequences, cut at ``cu_seqlens`` boundaries."""
+    cu = batch["cu_seqlens"].long().cpu().numpy()
+    out = []
+    for idx in micro_batches(np.diff(cu), max_tokens):
+        i, j = int(idx[0]), int(idx[-1]) + 1  # sequences i..j-1, tokens cu[i]..cu[j]-1
+        a, b = int(cu[i]), int(cu[j])
+        mb = {k: batch[k][:, a:b] for k in _TOKEN_KEYS}
+        # Target column t scores token t+1: tokens a..b-1 are scored by columns a-1..b-2, and
+        # column a-1 (scoring sequence i's first token from the previous one) is masked anyway.
+        mb.update({k: batch[k][:, a : b - 1] for k in _TARGET_KEYS})
+        mb.update({k: batch[k][i:j] for k in _SEQ_KEYS if k in batch})
+        mb["cu_seqlens"] = torch.from_numpy((cu[i : j + 1] - a).astype(np.int32))
+        out.append(mb)
+    return out
+
+
+def unpack_index(cu_seqlens: Tensor) -> tuple[Tensor, Tensor]:
+    """``(n, L-1)`` indices into the packed target columns, and their validity.
+
+    Row ``i`` column ``j`` is packed column ``cu[i] + j``, the log-prob of sequence ``i``'s token
+    ``j + 1`` — the same layout as row ``i`` of the padded batch.
+    """
+    cu = cu_seqlens.long()
+    lengths = cu[1:] - cu[:-1]
+    width = max(int(lengths.max()) - 1, 1)
+    j = torch.arange(width, device=cu.device)
+    valid = j[None, :] < (lengths[:, None] - 1)
+    last = int(cu[-1]) - 2  # the last packed target column
+    index = torch.clamp(cu[:-1, None] + j[None, :], max=max(last, 0))
+    return index, valid

@@ -1,0 +1,106 @@
+"""The learner's optimisation settings: AdamW, the LR schedule, accumulation and memory."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+
+LRSchedule = Literal["constant", "cosine"]
+
+
+LR_SCHEDULES = ("constant", "cosine")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """AdamW, the LR schedule, gradient accumulation and memory options of the learner."""
+
+    lr: float = field(default=1e-6, metadata={"help": "peak learning rate"})
+    weight_decay: float = field(
+        default=0.0, metadata={"help": "AdamW decoupled weight decay (matrices only)"}
+    )
+    betas: tuple[float, float] = field(default=(0.9, 0.999), metadata={"help": "AdamW betas"})
+    eps: float = field(default=1e-8, metadata={"help": "AdamW epsilon"})
+    grad_clip: float | None = field(
+        default=1.0, metadata={"help": "max global grad norm (None: no clipping)"}
+    )
+    warmup_steps: int = field(default=0, metadata={"help": "linear warmup steps from lr/warmup"})
+    lr_schedule: LRSchedule = field(
+        default="constant", metadata={"help": "after warmup: constant, or cosine to min_lr_ratio"}
+    )
+    total_steps: int | None = field(
+        default=None, metadata={"help": "optimizer steps of the run (required for cosine)"}
+    )
+    min_lr_ratio: float = field(default=0.0, metadata={"help": "cosine floor as a fraction of lr"})
+    micro_batch_tokens: int | None = field(
+        default=None,
+        metadata={
+            "help": "split a single batch dict into micro-batches of at most this many tokens"
+        },
+    )
+    grad_checkpointing: bool = field(
+        default=False, metadata={"help": "recompute activations in backward (HF models)"}
+    )
+    seed: int = field(default=0, metadata={"help": "torch seed set at construction (dropout)"})
+
+    def __post_init__(self) -> None:
+        for name in ("lr", "weight_decay", "eps", "min_lr_ratio"):
+            value = getattr(self, name)
+            if not (isinstance(value, float | int) and math.isfinite(value)):
+                raise ValueError(f"OptimConfig.{name} must be a finite number, got {value!r}")
+        if not self.lr > 0:
+            raise ValueError(f"OptimConfig.lr must be > 0, got {self.lr!r}")
+        if self.weight_decay < 0:
+            raise ValueError(f"OptimConfig.weight_decay must be >= 0, got {self.weight_decay!r}")
+        if not self.eps > 0:
+            raise ValueError(f"OptimConfig.eps must be > 0, got {self.eps!r}")
+        betas = tuple(self.betas)
+        if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"OptimConfig.betas must be two values in [0, 1), got {self.betas!r}")
+        object.__setattr__(self, "betas", (float(betas[0]), float(betas[1])))
+        if self.grad_clip is not None and not (
+            math.isfinite(self.grad_clip) and self.grad_clip > 0
+        ):
+            raise ValueError(f"OptimConfig.grad_clip must be > 0 or None, got {self.grad_clip!r}")
+        if not _is_int(self.warmup_steps) or self.warmup_steps < 0:
+            raise ValueError(
+                f"OptimConfig.warmup_steps must be an int >= 0, got {self.warmup_steps!r}"
+            )
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(
+                f"OptimConfig.lr_schedule must be one of {LR_SCHEDULES}, got {self.lr_schedule!r}"
+            )
+        if self.total_steps is not None and (not _is_int(self.total_steps) or self.total_steps < 1):
+            raise ValueError(
+                f"OptimConfig.total_steps must be a positive int or None, got {self.total_steps!r}"
+            )
+        if self.lr_schedule == "cosine" and self.total_steps is None:
+            raise ValueError("OptimConfig.lr_schedule='cosine' requires total_steps, got None")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(
+                f"OptimConfig.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}"
+            )
+        mbt = self.micro_batch_tokens
+        if mbt is not None and (not _is_int(mbt) or mbt < 1):
+            raise ValueError(f"OptimConfig.micro_batch_tokens must be a positive int, got {mbt!r}")
+        if not _is_int(self.seed):
+            raise ValueError(f"OptimConfig.seed must be an int, got {self.seed!r}")
+
+    def lr_factor(self, step: int) -> float:
+        """Multiplier of ``lr`` at optimizer step ``step`` (0-based)."""
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        if self.lr_schedule == "constant":
+            return 1.0
+        assert self.total_steps is not None
+        decay_steps = max(1, self.total_steps - self.warmup_steps)
+        progress = min(1.0, (step - self.warmup_steps) / decay_steps)
+        cos = 0.5 * (1.0 + math.cos(math.pi * progress))
+        return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * cos
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int | np.integer) and not isinstance(value, bool)

@@ -1,0 +1,60 @@
+"""One set of sampling settings, validated once, shared by both generators and every loop.
+
+``[generation]`` in a run config (:class:`trainer.config.GenerationConfig`), ``rolloutstore
+generate`` and the generators' ``generate(...)`` keyword arguments all go through
+:class:`SamplingParams`; the learner scores rows with the same temperature / top-k / top-p.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+def _not_int(v: object) -> bool:
+    return isinstance(v, bool) or not isinstance(v, int)
+
+
+def check_processing(temperature: Any, top_p: Any, top_k: Any) -> None:
+    """The logit-processing settings the generators and the learner share (ValueError)."""
+    if not temperature > 0:
+        raise ValueError(
+            f"temperature must be > 0, got {temperature}; greedy decoding is not supported "
+            "because its behaviour log-probs are degenerate"
+        )
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if _not_int(top_k) or top_k < 0:
+        raise ValueError(f"top_k must be an int >= 0 (0 disables it), got {top_k!r}")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Validated sampling settings (``top_k=0`` disables top-k, ``top_p=1`` top-p)."""
+
+    group_size: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int = 64
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if _not_int(self.group_size) or self.group_size < 1:
+            raise ValueError(f"group_size must be an int >= 1, got {self.group_size!r}")
+        check_processing(self.temperature, self.top_p, self.top_k)
+        if _not_int(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if _not_int(self.seed) or self.seed < 0:
+            raise ValueError(f"seed must be an int >= 0, got {self.seed!r}")
+
+    def kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of a generator's ``generate(prompts, **kwargs)``."""
+        return asdict(self)
+
+
+def check_generate_args(prompts: Any, **sampling: Any) -> SamplingParams:
+    """The checks every generator's ``generate`` shares; ValueError naming the bad value."""
+    if isinstance(prompts, str) or not all(isinstance(p, str) for p in prompts):
+        raise ValueError("prompts must be a list of str")
+    return SamplingParams(**sampling)
