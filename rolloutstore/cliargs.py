@@ -60,3 +60,13 @@ def dataclass_from_args(cls, args: argparse.Namespace, **overrides):
         if isinstance(v, list):
             values[k] = tuple(v)
     return cls(**values)
+
+
+def help_field(text: str, default: Any = dataclasses.MISSING, **kw: Any) -> Any:
+    """A dataclass field with ``help`` metadata: the config docs and the CLI's ``--help``
+    are read from it (mutable defaults get a factory)."""
+    if isinstance(default, (list, dict, set)):
+        return dataclasses.field(
+            default_factory=lambda: type(default)(default), metadata={"help": text}, **kw
+        )
+    return dataclasses.field(default=default, metadata={"help": text}, **kw)

@@ -160,7 +160,7 @@ def requests_per_step(s3: CountingS3, fragments: list[int]) -> list[dict]:
 def _requests_at(s3: CountingS3, frags: int) -> list[dict]:
     import torch
 
-    from trainer.run.checkpoint import latest_weights, publish_weights
+    from trainer.rollout.weights import latest_weights, publish_weights
 
     out = []
     uri, opts = s3.bucket(f"req-{frags}")

@@ -35,7 +35,7 @@ from trainer.models.load import load_model  # noqa: E402
 from trainer.models.tiny import make_tiny_model  # noqa: E402
 from trainer.rollout.hf import max_logprob_gap  # noqa: E402
 from trainer.rollout.vllm import VERIFY_PROMPTS, VLLMGenerator  # noqa: E402
-from trainer.run.checkpoint import publish_weights  # noqa: E402
+from trainer.rollout.weights import publish_weights  # noqa: E402
 
 
 def perturbed(state: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:

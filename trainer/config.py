@@ -24,21 +24,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from rolloutstore.cliargs import help_field as _h
 from rolloutstore.replay.config import ReplayConfig
 from trainer.algo.loss import LossConfig
 from trainer.algo.optim import OptimConfig
 from trainer.control import ControlConfig
 from trainer.errors import ConfigError
-from trainer.rollout.sampling import SamplingParams
+from trainer.rollout.sampling import GenerationConfig
 
-Backend = Literal["hf", "vllm", "auto"]
 Mode = Literal["sync", "async"]
-
-
-def _h(text: str, default: Any) -> Any:
-    if isinstance(default, (dict, list)):
-        return field(default_factory=lambda: type(default)(default), metadata={"help": text})
-    return field(default=default, metadata={"help": text})
 
 
 @dataclass(frozen=True)
@@ -63,39 +57,6 @@ class TaskConfig:
     def __post_init__(self) -> None:
         if self.eval_prompts < 0:
             raise ValueError(f"eval_prompts must be >= 0, got {self.eval_prompts}")
-
-
-@dataclass(frozen=True)
-class GenerationConfig:
-    backend: Backend = _h("hf (transformers), vllm, or auto (vllm when installed)", "hf")
-    group_size: int = _h("samples per prompt (GRPO group)", 8)
-    temperature: float = _h("sampling temperature (> 0)", 1.0)
-    top_p: float = _h("nucleus threshold", 1.0)
-    top_k: int = _h("top-k cut-off, 0 for none", 0)
-    max_tokens: int = _h("completion token budget", 16)
-    prompts_per_round: int = _h("prompts generated per round", 32)
-    batch_prompts: int = _h("prompts per generation call (one atomic append each)", 64)
-
-    def __post_init__(self) -> None:
-        if self.backend not in typing.get_args(Backend):
-            raise ValueError(
-                f"backend must be one of {typing.get_args(Backend)}, got {self.backend!r}"
-            )
-        self.sampling()  # the sampling fields, validated as every generator validates them
-        for name in ("prompts_per_round", "batch_prompts"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-
-    def sampling(self, *, group_size: int | None = None, seed: int = 0) -> SamplingParams:
-        """These settings as generator arguments (``group_size`` overrides, e.g. 1 for evals)."""
-        return SamplingParams(
-            group_size=self.group_size if group_size is None else group_size,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            max_tokens=self.max_tokens,
-            seed=seed,
-        )
 
 
 @dataclass(frozen=True)
@@ -163,9 +124,19 @@ SECTIONS: dict[str, type] = {
 }
 
 
+# Keys that were renamed: (section, old key) -> new key. Old keys are refused, naming the new.
+RENAMED = {("replay.control", "max_staleness"): "max_mean_staleness"}
+
+
 def _build(section: str, cls: type, values: dict[str, Any]) -> Any:
     if not isinstance(values, dict):
         raise ConfigError(f"[{section}] must be a table, got {type(values).__name__}")
+    for key in values:
+        if (section, key) in RENAMED:
+            raise ConfigError(
+                f"[{section}].{key} was renamed {RENAMED[section, key]!r} (the mean staleness "
+                f"of a batch; [replay].max_staleness bounds each row): rename the key"
+            )
     names = {f.name for f in dataclasses.fields(cls)}
     for key in values:
         if key not in names:

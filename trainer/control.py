@@ -17,7 +17,7 @@ learner steps saw:
 The rule, applied once per round to the means over that round's learner steps:
 
 1. **Too off-policy** when any of: ESS fraction < ``target_ess``; clip fraction > ``max_clip``;
-   approx KL > ``max_kl``; mean batch staleness > ``max_staleness`` (when set); the on-policy
+   approx KL > ``max_kl``; mean batch staleness > ``max_mean_staleness`` (when set); the on-policy
    reward of the last ``reward_window`` generation rounds falls (least-squares slope times
    ``reward_window - 1`` < ``-reward_drop``, and below ``-reward_z`` standard errors of that
    fitted change, so that round-to-round sampling noise does not count as a fall). Then make replay more on-policy at once: lower
@@ -25,7 +25,7 @@ The rule, applied once per round to the means over that round's learner steps:
    ``fresh_fraction`` is controlled), raise ``fresh_fraction`` by ``fresh_step``.
 2. **Comfortable** when every signal is well inside its target: ``1 - ESS <= margin *
    (1 - target_ess)``, clip <= ``margin * max_clip``, KL <= ``margin * max_kl``, staleness <=
-   ``margin * max_staleness``, and the reward is not falling. After ``patience`` comfortable
+   ``margin * max_mean_staleness``, and the reward is not falling. After ``patience`` comfortable
    rounds in a row, make replay more aggressive by one notch: first lower ``fresh_fraction``
    back towards ``min_fresh``, then raise ``y`` towards ``max_updates``.
 3. Otherwise (inside the band between the two): hold.
@@ -44,19 +44,17 @@ from __future__ import annotations
 
 import math
 import typing
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 import numpy as np
+
+from rolloutstore.cliargs import help_field as _h
 
 Adjust = Literal["updates", "fresh", "both"]
 
 # learner metric -> signal name, aggregated as the mean over the round's learner steps
 SIGNALS = ("ess_frac", "clip_frac", "approx_kl", "staleness")
-
-
-def _h(text: str, default: Any) -> Any:
-    return field(default=default, metadata={"help": text})
 
 
 @dataclass(frozen=True)
@@ -71,8 +69,9 @@ class ControlConfig:
     target_ess: float = _h("back off when the mean ESS fraction of IS weights is below", 0.9)
     max_clip: float = _h("back off when the mean clip fraction (low + high) is above", 0.05)
     max_kl: float = _h("back off when the mean approx KL(mu -> pi) of replayed data is above", 0.02)
-    max_staleness: float | None = _h(
-        "back off when mean batch staleness is above (None: off)", None
+    # Not [replay].max_staleness (the selector's bound on each row): this reads the batch mean.
+    max_mean_staleness: float | None = _h(
+        "back off when the mean staleness of a batch is above (None: off)", None
     )
     reward_window: int = _h("generation rounds over which the reward trend is fitted", 6)
     reward_drop: float = _h("back off when the fitted reward falls more than this", 0.05)
@@ -111,8 +110,10 @@ class ControlConfig:
         for name in ("max_clip", "max_kl", "reward_drop", "fresh_step"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
-        if self.max_staleness is not None and not self.max_staleness > 0:
-            raise ValueError(f"max_staleness must be > 0 or None, got {self.max_staleness!r}")
+        if self.max_mean_staleness is not None and not self.max_mean_staleness > 0:
+            raise ValueError(
+                f"max_mean_staleness must be > 0 or None, got {self.max_mean_staleness!r}"
+            )
         if not 0.0 < self.margin < 1.0:
             raise ValueError(f"margin must be in (0, 1), got {self.margin!r}")
         if not 0.0 <= self.min_fresh <= self.max_fresh <= 1.0:
@@ -266,13 +267,13 @@ class ReplayController:
         if kl is not None:
             lim = c.margin * c.max_kl
             checks.append((kl > c.max_kl, kl <= lim, f"kl {kl:.4f} > {c.max_kl}"))
-        if stale is not None and c.max_staleness is not None:
-            lim = c.margin * c.max_staleness
+        if stale is not None and c.max_mean_staleness is not None:
+            lim = c.margin * c.max_mean_staleness
             checks.append(
                 (
-                    stale > c.max_staleness,
+                    stale > c.max_mean_staleness,
                     stale <= lim,
-                    f"staleness {stale:.2f} > {c.max_staleness}",
+                    f"staleness {stale:.2f} > {c.max_mean_staleness}",
                 )
             )
         if trend is not None:

@@ -173,7 +173,7 @@ def test_weights_pruned_while_an_actor_loads_them_read_as_pruned(tmp_path):
     from trainer.models.load import load_model
     from trainer.models.tiny import make_tiny_model
     from trainer.rollout.policy import HFPolicy as _HFPolicy
-    from trainer.run.checkpoint import publish_weights
+    from trainer.rollout.weights import publish_weights
 
     make_tiny_model(tmp_path / "init", num_layers=1, hidden_size=128)
     model, _ = load_model(tmp_path / "init")

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+import trainer.rollout.weights as W
 import trainer.run.checkpoint as C
 
 
@@ -60,12 +61,12 @@ def test_keeps_the_last_k_and_failed_saves_leave_nothing(tmp_path, monkeypatch):
 
 def test_publish_weights_latest_and_keep(tmp_path):
     m = _model()
-    assert C.latest_weights(tmp_path) is None
+    assert W.latest_weights(tmp_path) is None
     (tmp_path / "tmpl").mkdir()
     (tmp_path / "tmpl" / "config.json").write_text("{}")
     for v in range(4):
-        C.publish_weights(tmp_path / "w", v, m, template=tmp_path / "tmpl", keep=2)
-    version, path = C.latest_weights(tmp_path / "w")
+        W.publish_weights(tmp_path / "w", v, m, template=tmp_path / "tmpl", keep=2)
+    version, path = W.latest_weights(tmp_path / "w")
     assert (
         version == 3 and (path / "model.safetensors").exists() and (path / "config.json").exists()
     )

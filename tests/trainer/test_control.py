@@ -42,7 +42,7 @@ def _ctl(**kw) -> ReplayController:
     ],
 )
 def test_each_off_policy_signal_lowers_y(bad, named):
-    c = _ctl(max_staleness=8.0, min_updates=1, max_updates=8)
+    c = _ctl(max_mean_staleness=8.0, min_updates=1, max_updates=8)
     d = c.decide(1, {**CALM, "reward_trend": 0.0, **bad})
     assert d.verdict == "back_off" and (d.old_updates, d.new_updates) == (4, 3)
     assert c.updates == 3 and d.changed
@@ -207,7 +207,7 @@ def _small(run_dir: Path, steps: int, **control) -> dict:
 # before it is cut down to y = 1, and ~0.9 at y = 1 with a 64-row window over 24-row rounds):
 # every decision must back off, so y goes 3 -> 2 -> 1 and stays there. (A tight KL target
 # would do the same once rewards vary; with a 3-step warm start they are mostly 0.)
-TIGHT = {"enabled": True, "min_updates": 1, "max_updates": 3, "max_staleness": 0.1}
+TIGHT = {"enabled": True, "min_updates": 1, "max_updates": 3, "max_mean_staleness": 0.1}
 
 
 def _records(run_dir: Path, kind: str) -> list[dict]:
@@ -229,7 +229,7 @@ def test_sync_run_with_a_tight_kl_target_walks_y_down_and_logs_each_decision(tmp
     assert [c["updates_per_round"] for c in control] == [2, 1, 1, 1]
     for c in control:
         assert c["verdict"] == "back_off" and "staleness" in c["reason"]
-        assert c["in_staleness"] > TIGHT["max_staleness"]  # the input that forced it
+        assert c["in_staleness"] > TIGHT["max_mean_staleness"]  # the input that forced it
     assert control[-1]["reason"].endswith("already at the bound")
     # The inputs are means over exactly the learner steps of the round just finished.
     assert [c["in_steps"] for c in control] == [3, 2, 1, 1]
@@ -341,3 +341,14 @@ def test_comparison_arm_d_is_arm_b_plus_the_controller_stopped_at_the_budget(tmp
     recs.append({"kind": "eval", "step": 41, "generated_tokens": 6010})
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     assert rvo.finished(d)
+
+
+def test_renamed_control_key_is_refused_naming_the_new_one():
+    from trainer.config import ConfigError, TrainConfig
+
+    with pytest.raises(
+        ConfigError, match=r"\[replay.control\].max_staleness was renamed 'max_mean_staleness'"
+    ):
+        TrainConfig.from_dict({"replay": {"control": {"enabled": True, "max_staleness": 4.0}}})
+    cfg = TrainConfig.from_dict({"replay": {"control": {"max_mean_staleness": 4.0}}})
+    assert cfg.control.max_mean_staleness == 4.0

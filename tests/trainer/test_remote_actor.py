@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import trainer.run.checkpoint as C
+import trainer.rollout.weights as C
 from rolloutstore import RolloutStore
 from rolloutstore.ids import deterministic_uuid7
 from trainer.config import ConfigError, TrainConfig

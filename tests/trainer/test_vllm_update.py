@@ -21,7 +21,7 @@ from trainer.models.load import load_model
 from trainer.models.tiny import make_tiny_model
 from trainer.rollout.hf import max_logprob_gap
 from trainer.rollout.vllm_update import WeightUpdateError
-from trainer.run.checkpoint import publish_weights
+from trainer.rollout.weights import publish_weights
 
 TOLERANCE = 1e-3  # what the actors accept
 DIFFERENT = 0.05  # a gap this large means "other weights" (matching ones agree to ~1e-6)

@@ -1,36 +1,10 @@
-"""The model folders a run starts from: the built-once tiny model or a configured path."""
+"""Loading a model folder for the learner (weights in float32, as the generators score)."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import torch
-
-from trainer.config import TrainConfig
-
-
-def prepare_model(cfg: TrainConfig, run_dir: Path) -> Path:
-    """The initial model folder: built once for ``tiny``, else the configured path."""
-    if cfg.model.path != "tiny":
-        return Path(cfg.model.path)
-    path = run_dir / "model-init"
-    if not (path / "config.json").exists():
-        from trainer.models.tiny import make_tiny_model
-
-        tmp = run_dir / ".model-init-tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        make_tiny_model(
-            tmp,
-            task=cfg.task.name if cfg.task.name in ("arith", "countdown") else "arith",
-            seed=cfg.model.seed,
-            hidden_size=cfg.model.hidden_size,
-            num_layers=cfg.model.num_layers,
-            num_heads=cfg.model.hidden_size // 64,
-            vocab_size=cfg.model.vocab_size,
-        )
-        tmp.rename(path)
-    return path
 
 
 def load_model(path: Path):

@@ -13,11 +13,11 @@ from pathlib import Path
 from typing import Any
 
 from trainer.algo.learner import Learner
-from trainer.config import TrainConfig
 from trainer.models.load import load_model
+from trainer.rollout.sampling import GenerationConfig
 from trainer.rollout.vllm_update import VERIFY_TOLERANCE  # no vLLM import: safe without vLLM
-from trainer.run.checkpoint import publish_weights
-from trainer.tasks import get_task
+from trainer.rollout.weights import publish_weights
+from trainer.tasks import Task
 
 
 class LivePolicy:
@@ -28,11 +28,20 @@ class LivePolicy:
     versions go from the learner's state dict into the running engine (no folder,
     no restart), and each is verified against a teacher-forced recomputation of the
     new weights. A failed check is logged and falls back to publishing the version
-    and restarting the engine from it (see VLLMPolicy in trainer/run/async_learner.py).
+    and restarting the engine from it (see :class:`VLLMPolicy`).
     """
 
-    def __init__(self, backend: str, cfg: TrainConfig, model_dir: Path, run_dir: Path, run_id: str):
-        self.backend, self.cfg, self.model_dir, self.run_dir = backend, cfg, model_dir, run_dir
+    def __init__(
+        self,
+        backend: str,
+        generation: GenerationConfig,
+        task: Task,
+        model_dir: Path,
+        weights_dir: Path,
+        run_id: str,
+        seed: int,
+    ):
+        self.backend, self.model_dir, self.weights_dir = backend, model_dir, weights_dir
         self.run_id = run_id
         self.gen = None
         self.version: int | None = None
@@ -44,7 +53,7 @@ class LivePolicy:
         else:
             # Quiet: one line per generation round would drown the progress bar; a
             # failed verification (and its restart) is still printed.
-            self.vllm = VLLMPolicy(cfg, run_id, seed=cfg.run.seed, verbose=False)
+            self.vllm = VLLMPolicy(generation, task, run_id, seed=seed, verbose=False)
 
     def sync(self, learner: Learner, weights: dict[str, Any] | None = None):
         """The generator at the learner's weights (``weights``: its gathered state dict)."""
@@ -57,9 +66,7 @@ class LivePolicy:
         elif self.version != v:
 
             def publish() -> Path:
-                return publish_weights(
-                    self.run_dir / "weights", v, weights, template=self.model_dir
-                )
+                return publish_weights(self.weights_dir, v, weights, template=self.model_dir)
 
             self.gen = self.vllm.update(v, weights, publish)
             self.events.append(
@@ -131,8 +138,17 @@ class VLLMPolicy:
     from the folder, which is verified again; a mismatch there stops the actor.
     """
 
-    def __init__(self, cfg: TrainConfig, run_id: str, seed: int, *, verbose: bool = True):
-        self.cfg, self.run_id, self.seed, self.verbose = cfg, run_id, seed, verbose
+    def __init__(
+        self,
+        generation: GenerationConfig,
+        task: Task,
+        run_id: str,
+        seed: int,
+        *,
+        verbose: bool = True,
+    ):
+        self.generation, self.task, self.run_id = generation, task, run_id
+        self.seed, self.verbose = seed, verbose
         self.gen = None
         self.last_gap: float | None = None  # of the newest verification
         self.restarts = 0  # engine starts, the first included
@@ -153,8 +169,7 @@ class VLLMPolicy:
 
         if self.gen is None:
             return self._restart(version, folder())
-        g = self.cfg.generation
-        task = get_task(self.cfg.task.name, **self.cfg.task.options)
+        g, task = self.generation, self.task
         try:
             u = self.gen.update_weights(
                 state,
@@ -187,7 +202,7 @@ class VLLMPolicy:
             folder, policy_version=version, policy_id=self.run_id, seed=self.seed
         )
         self.restarts += 1
-        self.last_gap = verify_logprobs(self.gen, folder, self.cfg)
+        self.last_gap = verify_logprobs(self.gen, folder, self.generation, self.task)
         if self.verbose:
             print(
                 f"policy version {version}: engine started from {folder} and verified "
@@ -202,12 +217,13 @@ class VLLMPolicy:
             self.gen = None
 
 
-def verify_logprobs(gen: Any, folder: Path, cfg: TrainConfig, prompts: int = 2) -> float:
+def verify_logprobs(
+    gen: Any, folder: Path, generation: GenerationConfig, task: Task, prompts: int = 2
+) -> float:
     """Largest |generator log-prob - teacher-forced log-prob| on a few samples; raises if > tol."""
     from trainer.rollout.hf import max_logprob_gap
 
-    g = cfg.generation
-    task = get_task(cfg.task.name, **cfg.task.options)
+    g = generation
     texts = [p.prompt_text for p in task.make_prompts(prompts, seed=123_457)]
     rows = gen.generate(texts, **g.sampling(group_size=2, seed=0).kwargs())
     model, _ = load_model(folder)

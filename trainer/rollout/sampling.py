@@ -7,8 +7,13 @@ generate`` and the generators' ``generate(...)`` keyword arguments all go throug
 
 from __future__ import annotations
 
+import typing
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Literal
+
+from rolloutstore.cliargs import help_field as _h
+
+Backend = Literal["hf", "vllm", "auto"]
 
 
 def _not_int(v: object) -> bool:
@@ -58,3 +63,36 @@ def check_generate_args(prompts: Any, **sampling: Any) -> SamplingParams:
     if isinstance(prompts, str) or not all(isinstance(p, str) for p in prompts):
         raise ValueError("prompts must be a list of str")
     return SamplingParams(**sampling)
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    backend: Backend = _h("hf (transformers), vllm, or auto (vllm when installed)", "hf")
+    group_size: int = _h("samples per prompt (GRPO group)", 8)
+    temperature: float = _h("sampling temperature (> 0)", 1.0)
+    top_p: float = _h("nucleus threshold", 1.0)
+    top_k: int = _h("top-k cut-off, 0 for none", 0)
+    max_tokens: int = _h("completion token budget", 16)
+    prompts_per_round: int = _h("prompts generated per round", 32)
+    batch_prompts: int = _h("prompts per generation call (one atomic append each)", 64)
+
+    def __post_init__(self) -> None:
+        if self.backend not in typing.get_args(Backend):
+            raise ValueError(
+                f"backend must be one of {typing.get_args(Backend)}, got {self.backend!r}"
+            )
+        self.sampling()  # the sampling fields, validated as every generator validates them
+        for name in ("prompts_per_round", "batch_prompts"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    def sampling(self, *, group_size: int | None = None, seed: int = 0) -> SamplingParams:
+        """These settings as generator arguments (``group_size`` overrides, e.g. 1 for evals)."""
+        return SamplingParams(
+            group_size=self.group_size if group_size is None else group_size,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            max_tokens=self.max_tokens,
+            seed=seed,
+        )

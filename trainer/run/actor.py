@@ -28,7 +28,7 @@ from trainer.config import (
 from trainer.errors import ConfigError
 from trainer.rollout.pipeline import generate_rollouts, resolve_backend
 from trainer.rollout.policy import HFPolicy, VLLMPolicy
-from trainer.run.checkpoint import fetch_weights, latest_weights, read_text
+from trainer.rollout.weights import fetch_weights, latest_weights, read_text
 from trainer.run.faults import actor_crash
 from trainer.tasks import get_task
 
@@ -148,7 +148,9 @@ def run_actor(
     # Learner and actors share the CPU cores; one thread each avoids oversubscription.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // (r.actors + 1)))
     policy = (
-        VLLMPolicy(cfg, run_id, seed=r.seed + actor_id) if backend == "vllm" else HFPolicy(run_id)
+        VLLMPolicy(g, task, run_id, seed=r.seed + actor_id)
+        if backend == "vllm"
+        else HFPolicy(run_id)
     )
 
     def stopped() -> bool:

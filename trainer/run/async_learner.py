@@ -63,17 +63,19 @@ from trainer.config import (
     TrainConfig,
     configured_location,
 )
-from trainer.models.load import prepare_model
+from trainer.rollout.weights import publish_weights, remove_text, write_text
 from trainer.run.actor import PARENT_ENV, POLL_SECONDS
-from trainer.run.checkpoint import (
-    publish_weights,
-    remove_text,
-    save_run_checkpoint,
-    write_text,
-)
+from trainer.run.checkpoint import save_run_checkpoint
 from trainer.run.faults import ACTOR_FAULT_ENV
 from trainer.run.metrics import Metrics
-from trainer.run.setup import TrainResult, evaluate, run_meta, setup_learner, store_location
+from trainer.run.setup import (
+    TrainResult,
+    evaluate,
+    prepare_model,
+    run_meta,
+    setup_learner,
+    store_location,
+)
 from trainer.tasks import get_task
 
 PUBLISH_EVERY = 1  # learner steps between published weights

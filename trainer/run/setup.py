@@ -4,6 +4,7 @@ the store location and the learner with its replay loader (restored from a check
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -196,3 +197,26 @@ def check_world_size(run_dir: Path, d: Dist) -> None:
             f"each step's draw is split across ranks, so only the same count continues the "
             f"same run; resume with `{how}`"
         )
+
+
+def prepare_model(cfg: TrainConfig, run_dir: Path) -> Path:
+    """The initial model folder: built once for ``tiny``, else the configured path."""
+    if cfg.model.path != "tiny":
+        return Path(cfg.model.path)
+    path = run_dir / "model-init"
+    if not (path / "config.json").exists():
+        from trainer.models.tiny import make_tiny_model
+
+        tmp = run_dir / ".model-init-tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        make_tiny_model(
+            tmp,
+            task=cfg.task.name if cfg.task.name in ("arith", "countdown") else "arith",
+            seed=cfg.model.seed,
+            hidden_size=cfg.model.hidden_size,
+            num_layers=cfg.model.num_layers,
+            num_heads=cfg.model.hidden_size // 64,
+            vocab_size=cfg.model.vocab_size,
+        )
+        tmp.rename(path)
+    return path

@@ -42,10 +42,10 @@ from rolloutstore import RolloutStore
 from trainer.config import TrainConfig
 from trainer.control import ReplayController
 from trainer.errors import RunDirError
-from trainer.models.load import prepare_model
 from trainer.rollout.pipeline import generate_rollouts, resolve_backend
 from trainer.rollout.policy import LivePolicy
-from trainer.run.checkpoint import publish_weights, save_run_checkpoint
+from trainer.rollout.weights import publish_weights
+from trainer.run.checkpoint import save_run_checkpoint
 from trainer.run.distributed import Dist, batch_view, trace
 from trainer.run.distributed import from_env as dist_from_env
 from trainer.run.faults import crash_at
@@ -54,6 +54,7 @@ from trainer.run.setup import (
     TrainResult,
     check_world_size,
     evaluate,
+    prepare_model,
     run_meta,
     setup_learner,
     store_location,
@@ -166,7 +167,11 @@ def _train(cfg: TrainConfig, d: Dist, *, resume: bool, progress: bool) -> TrainR
 
     # Rank 0 is the only generator and the only writer of metrics, checkpoints and weights.
     main = d.is_main
-    policy = LivePolicy(backend, cfg, model_dir, run_dir, run_id) if main else None
+    policy = (
+        LivePolicy(backend, g, task, model_dir, run_dir / "weights", run_id, seed=cfg.run.seed)
+        if main
+        else None
+    )
     generator = None
     metrics = Metrics(run_dir) if main else None
 

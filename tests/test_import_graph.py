@@ -1,0 +1,164 @@
+"""The package floor plan holds: no import cycles, and each layer imports only those below it.
+
+Every import counts, the lazy ones inside functions too (they are dependencies all the same);
+only ``if TYPE_CHECKING:`` blocks are skipped.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("rolloutstore", "trainer")
+
+# trainer's layers, lowest first: a module may import its own layer's modules and lower ones.
+LAYERS = [
+    ("trainer.errors", "trainer.tasks", "trainer.models"),
+    ("trainer.algo",),
+    ("trainer.rollout",),
+    ("trainer.control", "trainer.config"),
+    ("trainer.run",),
+    ("trainer.cli", "trainer.__main__", "trainer.store_commands", "trainer"),
+]
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for pkg in PACKAGES:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join(parts)] = path
+    return out
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    t = node.test
+    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or (
+        isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING"
+    )
+
+
+def _imports(name: str, path: Path, known: set[str]) -> set[str]:
+    tree = ast.parse(path.read_text())
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+
+    def resolve(mod: str) -> str | None:
+        while mod and mod not in known:  # `from a.b import c` may name a function of a.b
+            mod = mod.rpartition(".")[0]
+        return mod or None
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if (m := resolve(alias.name)) is not None:
+                    found.add(m)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            for alias in node.names:
+                if (m := resolve(f"{base}.{alias.name}")) is not None:
+                    found.add(m)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    found.discard(name)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    mods = _modules()
+    known = set(mods)
+    return {name: _imports(name, path, known) for name, path in mods.items()}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def strong(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                strong(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            strong(v)
+    return out
+
+
+def _layer(module: str) -> int | None:
+    best = None
+    for i, prefixes in enumerate(LAYERS):
+        for p in prefixes:
+            inside = module == p or module.startswith(p + ".")
+            if inside and (best is None or len(p) > best[1]):
+                best = (i, len(p))
+    return None if best is None else best[0]
+
+
+def test_the_graph_is_read():
+    graph = _graph()
+    # A sanity floor, so a broken parser cannot pass the checks below vacuously.
+    assert "trainer.algo.learner" in graph["trainer.run.setup"]
+    assert "rolloutstore.store" in graph["rolloutstore"]
+
+
+def test_no_import_cycles():
+    assert _cycles(_graph()) == []
+
+
+def test_rolloutstore_never_imports_trainer():
+    bad = {
+        (m, d)
+        for m, deps in _graph().items()
+        if m.startswith("rolloutstore")
+        for d in deps
+        if d.split(".")[0] == "trainer"
+    }
+    assert not bad, f"the store layer must not depend on the trainer: {sorted(bad)}"
+
+
+@pytest.mark.parametrize("module", sorted(m for m in _modules() if m.startswith("trainer")))
+def test_trainer_layers(module):
+    graph = _graph()
+    mine = _layer(module)
+    assert mine is not None, f"{module} belongs to no layer; add it to LAYERS"
+    upward = [d for d in graph[module] if d.startswith("trainer") and (_layer(d) or 0) > mine]
+    assert not upward, f"{module} (layer {mine}) imports higher layers: {upward}"
+
+
+def test_the_checker_finds_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
