@@ -13,7 +13,7 @@ $(PY):
 	$(PY) -m pip install -q --upgrade pip
 
 # torch 2.13.0 first: it is the CPU wheel on these machines; a bare `torch`
-# requirement would resolve to a multi-GB CUDA build (see shared/PLATFORM.md).
+# requirement would resolve to a multi-GB CUDA build (see docs/platform.md).
 $(STAMP): pyproject.toml Makefile | $(PY)
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'

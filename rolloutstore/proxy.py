@@ -1,7 +1,7 @@
 """Seeded proxy rollouts: realistic-looking token ids and log-probs without a model.
 
 Used by the demo, the storage benchmark and the tests. The statistics follow
-shared/PLATFORM.md: Zipf(1.2) token ids over a 151k vocabulary, behaviour
+measured LLM rollouts (docs/platform.md): Zipf(1.2) token ids over a 151k vocabulary, behaviour
 log-probs drawn from a mixture (70% ~ -Exp(0.02), 30% ~ -Exp(2)), lognormal
 completion lengths, GRPO groups of ``group_size`` samples of one prompt.
 

@@ -2,7 +2,7 @@
 
 ``prepare(data, schema)`` accepts a ``pyarrow.Table``/``RecordBatch`` or a list of
 dicts, fills the store's defaults (rollout ids, prompt ids, token counts,
-created_at) and checks the invariants of DESIGN.md. Every check is vectorised
+created_at) and checks the row invariants (docs/architecture.md). Every check is vectorised
 over the batch; only the error path walks rows to find the first bad one.
 """
 

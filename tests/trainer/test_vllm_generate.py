@@ -22,7 +22,7 @@ from trainer.rollout.hf import HFGenerator, max_logprob_gap, teacher_forced_logp
 from trainer.rollout.vllm import VLLMGenerator, _import_vllm, prompt_seed
 
 PROMPTS = ["Compute 1+2. Answer:", "Compute 37+45*2. Answer:", "Compute 9-4*7. Answer:"]
-# Float32 on both sides; PLATFORM.md saw ~1e-6, this leaves room for kernel differences.
+# Float32 on both sides; ~1e-6 was measured (docs/platform.md), this leaves room for kernel differences.
 TOLERANCE = 1e-4
 
 
