@@ -18,7 +18,9 @@ import sys
 import tomllib
 from pathlib import Path
 
+from rolloutstore.errors import RolloutStoreError
 from trainer.config import ConfigError, TrainConfig
+from trainer.errors import TrainerError
 
 
 def _apply_sets(data: dict, sets: list[str]) -> dict:
@@ -111,6 +113,9 @@ def cmd_plot(a) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="rolloutstore-train", description=__doc__.splitlines()[0])
+    ap.add_argument(
+        "--debug", action="store_true", help="show the full traceback of an error (for reports)"
+    )
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("train", help="start a run from a TOML config")
     p.add_argument("config")
@@ -189,11 +194,22 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+# Errors a user can fix (bad config, missing folder, a run that does not fit): one line, exit 2.
+USER_ERRORS = (TrainerError, RolloutStoreError, FileNotFoundError, tomllib.TOMLDecodeError)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         args.func(args)
-    except (ConfigError, FileNotFoundError) as exc:
+    except USER_ERRORS as exc:
+        if args.debug:
+            raise
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        if args.debug:
+            raise
+        print("interrupted; resume with `rolloutstore-train resume RUN_DIR`", file=sys.stderr)
+        return 130
     return 0

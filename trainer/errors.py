@@ -28,3 +28,7 @@ class WeightUpdateError(TrainerError, RuntimeError):
 
 class UnsafeExpressionError(TrainerError, ValueError):
     """The text is not an expression built only from the whitelisted arithmetic."""
+
+
+class ModelError(TrainerError, FileNotFoundError):
+    """A model folder is missing or is not a model folder (no config.json)."""

@@ -25,7 +25,7 @@ from trainer.run.faults import ACTOR_FAULT_ENV as FAULT_ENV
 
 ROOT = Path(__file__).parents[2]
 MAX_STALENESS = 2
-GROUP, PROMPTS = 4, 6
+GROUP, PROMPTS, BATCH = 4, 6, 8
 SMALL = f"""
 [model]
 num_layers = 1
@@ -52,7 +52,7 @@ run_id = "async-test"
 id_time_ms = 1700000000000
 mode = "async"
 steps = {{steps}}
-batch_size = 8
+batch_size = {BATCH}
 min_rows = 16
 checkpoint_every = 3
 warm_start_steps = 2
@@ -123,6 +123,13 @@ def test_async_run_with_two_actors(tmp_path):
         assert r["learner_version"] == r["step"] - 1
     gens = _records(run, "generate")
     assert {g["actor"] for g in gens} == {0, 1}
+    # Generation totals are logged with each step (the reward-vs-tokens plot reads them):
+    # never more than the store held, never decreasing, and the realised replay ratio.
+    tokens = [r["generated_tokens"] for r in train]
+    assert tokens == sorted(tokens) and tokens[0] > 0
+    assert train[-1]["generated_rollouts"] <= len(rows)
+    for r in train:
+        assert r["replay_ratio"] == r["step"] * BATCH / r["generated_rollouts"]
     assert (run / "checkpoints" / "step-000000006").is_dir()
     assert (run / "weights" / "LATEST").read_text().strip() == "6"
     assert (run / "STOP").exists()

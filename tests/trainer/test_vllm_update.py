@@ -68,15 +68,19 @@ def test_long_prompt_spans_several_kv_blocks(gen) -> None:
     assert len(gen.tokenizer(LONG)["input_ids"]) > 256
 
 
-def test_update_from_state_dict_samples_the_new_weights(gen, tiny) -> None:
+def test_update_from_state_dict_samples_the_new_weights(gen, tiny, capfd) -> None:
     old = _model(tiny, load_model(tiny)[0].state_dict())
     before = _sample(gen)  # also fills the prefix cache with blocks of the old weights
     assert _gaps(before, old)[0] < TOLERANCE
     new_state = _perturbed(old.state_dict(), seed=1)
     new = _model(tiny, new_state)
 
+    capfd.readouterr()
     result = gen.update_weights(new_state, policy_version=1)
     assert result.policy_version == 1 and result.gap < TOLERANCE
+    # Nothing that reads as a failure: rotary caches have no checkpoint weights by design.
+    out, err = capfd.readouterr()
+    assert "Failed to load weights" not in out + err
     rows = _sample(gen)
     new_gap, old_gap = _gaps(rows, new, old)
     assert new_gap < TOLERANCE

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import torch
 
+from trainer.errors import ModelError
+
 
 def load_model(path: Path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -15,3 +17,20 @@ def load_model(path: Path):
     )
     tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     return model.float(), tok
+
+
+def check_model_dir(path: str | Path) -> Path:
+    """``path`` as a model folder, or ModelError saying what is missing (before any run state
+    is written, so a typo in ``[model].path`` leaves nothing behind)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ModelError(
+            f"[model].path {str(path)!r}: no such folder; give a local model folder (a "
+            f'transformers save_pretrained folder with config.json) or "tiny"'
+        )
+    if not (path / "config.json").is_file():
+        raise ModelError(
+            f"[model].path {str(path)!r} has no config.json: give the folder that "
+            f"save_pretrained wrote (weights, config.json, tokenizer files)"
+        )
+    return path

@@ -25,6 +25,7 @@ Measured here: ``tools/bench_vllm_update.py``; see docs/benchmarks.md.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -63,8 +64,29 @@ class WeightUpdateExtension:
             source = iter(load(weights).items())
         else:
             source = _read_safetensors(path)
+        _quiet_buffer_only_layers()
         self.model_runner.reload_weights(weights_iterator=recorded(source))  # type: ignore[attr-defined]
         return names
+
+
+# Layers that hold only computed buffers (rotary cos/sin caches) have nothing in a checkpoint;
+# vLLM's layerwise reload then warns "<Layer>: Failed to load weights" and puts the same
+# buffers back. On every update that line reads as a failure though nothing failed (and the
+# update is verified anyway), so it is dropped for these layers only.
+_BUFFER_ONLY_LAYERS = ("RotaryEmbedding",)
+_RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+
+
+def _not_a_buffer_only_layer(record: logging.LogRecord) -> bool:
+    if record.msg != "%s: Failed to load weights" or not record.args:
+        return True
+    return not str(record.args[0]).endswith(_BUFFER_ONLY_LAYERS)
+
+
+def _quiet_buffer_only_layers() -> None:
+    log = logging.getLogger(_RELOAD_LOGGER)
+    if _not_a_buffer_only_layer not in log.filters:
+        log.addFilter(_not_a_buffer_only_layer)
 
 
 def _read_safetensors(path: str | None) -> Iterator[tuple[str, torch.Tensor]]:

@@ -180,6 +180,7 @@ def async_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True
     # A second selector only counts eligible rows (it records no usage, draws nothing).
     counter = Selector(store, cfg.replay, run_id=run_id, record_usage=False)
     step, totals = 0, {"train_seconds": 0.0, "wait_seconds": 0.0}
+    generated = _Generated(store, run_id)
     first_eval = None
     if state is not None:
         step, first_eval = state["step"], state.get("first_eval")
@@ -242,7 +243,9 @@ def async_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True
                     weights_dir, learner.policy_version, learner.model, template=model_dir,
                     storage_options=options,
                 )  # fmt: skip
-            m.update(_batch_metrics(batch, lv), **totals)
+            m.update(_batch_metrics(batch, lv), **totals, **generated.read())
+            # Mean uses per generated rollout so far (sync runs log the planned y * B / R).
+            m["replay_ratio"] = step * r.batch_size / max(1, m["generated_rollouts"])
             metrics.log("train", step, m)
             bar.update(1)
             bar.set_postfix(reward=f"{m['reward']:.2f}", loss=f"{m['loss']:.3f}")
@@ -284,3 +287,25 @@ def _batch_metrics(batch: dict[str, Any], learner_version: int) -> dict[str, Any
         "policy_versions": sorted({int(v) for v in batch["policy_version"].numpy()}),
         "store_version": int(batch["store_version"]),
     }
+
+
+class _Generated:
+    """What the actors have generated for this run so far (rollouts, completion tokens), read
+    from the store, re-read only when its version moved."""
+
+    def __init__(self, store: RolloutStore, run_id: str):
+        self.store, self.run_id = store, run_id
+        self.version: int | None = None
+        self.totals = {"generated_rollouts": 0, "generated_tokens": 0}
+
+    def read(self) -> dict[str, int]:
+        version = self.store.version
+        if version != self.version:
+            row = self.store.sql(
+                "SELECT count(*) AS n, coalesce(sum(num_completion_tokens), 0) AS t "
+                "FROM rollouts WHERE run_id = ?",
+                [self.run_id],
+            ).to_pylist()[0]
+            self.version = version
+            self.totals = {"generated_rollouts": int(row["n"]), "generated_tokens": int(row["t"])}
+        return dict(self.totals)

@@ -18,7 +18,7 @@ from rolloutstore.replay.loader import ReplayDataset
 from trainer.algo.learner import Learner
 from trainer.config import TrainConfig, configured_location, storage_options_from_env
 from trainer.errors import RunDirError
-from trainer.models.load import load_model
+from trainer.models.load import check_model_dir, load_model
 from trainer.run.checkpoint import latest_checkpoint, load_checkpoint
 from trainer.run.distributed import Dist, shard_learner, wrap_learner
 
@@ -202,7 +202,7 @@ def check_world_size(run_dir: Path, d: Dist) -> None:
 def prepare_model(cfg: TrainConfig, run_dir: Path) -> Path:
     """The initial model folder: built once for ``tiny``, else the configured path."""
     if cfg.model.path != "tiny":
-        return Path(cfg.model.path)
+        return check_model_dir(cfg.model.path)
     path = run_dir / "model-init"
     if not (path / "config.json").exists():
         from trainer.models.tiny import make_tiny_model

@@ -51,6 +51,12 @@ def import_sources(
     summaries = []
     for source in sources:
         src = _open_source(source)
+        if src.embedding_dim != store.embedding_dim:
+            raise SourceError(
+                f"replay source {source} stores {src.embedding_dim}-dimensional embeddings, this "
+                f"run's store {store.embedding_dim}: rollouts are reused only between stores "
+                f"with the same embedding dimension (the run's embedder decides it)"
+            )
         runs = src.sql(
             "SELECT run_id, max(policy_version) AS newest, count(*) AS n, "
             "list(DISTINCT tokenizer_fingerprint) AS fps FROM rollouts GROUP BY 1 ORDER BY 1"

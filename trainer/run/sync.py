@@ -42,6 +42,7 @@ from rolloutstore import RolloutStore
 from trainer.config import TrainConfig
 from trainer.control import ReplayController
 from trainer.errors import RunDirError
+from trainer.models.load import check_model_dir
 from trainer.rollout.pipeline import generate_rollouts, resolve_backend
 from trainer.rollout.policy import LivePolicy
 from trainer.rollout.weights import publish_weights
@@ -75,6 +76,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> T
 
     Under torchrun every rank calls this; only rank 0's result carries the evaluations.
     """
+    if cfg.model.path != "tiny":
+        check_model_dir(cfg.model.path)  # before any run state is written
     if cfg.run.fsdp and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         raise RunDirError(
             "run.fsdp = true shards the learner across torchrun ranks (sync mode); start with "
