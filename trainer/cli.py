@@ -20,7 +20,7 @@ from pathlib import Path
 
 from rolloutstore.errors import RolloutStoreError
 from trainer.config import ConfigError, TrainConfig
-from trainer.errors import TrainerError
+from trainer.errors import RunDirError, TrainerError
 
 
 def _apply_sets(data: dict, sets: list[str]) -> dict:
@@ -97,7 +97,18 @@ def cmd_actor(a) -> None:
 def cmd_resume(a) -> None:
     from trainer.run.sync import train
 
-    meta = json.loads((Path(a.run_dir) / "run.json").read_text())
+    meta_path = Path(a.run_dir) / "run.json"
+    if not meta_path.is_file():
+        raise RunDirError(
+            f"{a.run_dir} holds no run to resume (no run.json); start one with "
+            f"`rolloutstore-train train CONFIG.toml`"
+        )
+    try:
+        meta = json.loads(meta_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise RunDirError(
+            f"{meta_path} is not valid JSON ({exc}); the run folder is damaged"
+        ) from exc
     data = _apply_sets(meta["config"], a.set)
     data.setdefault("run", {})["dir"] = str(a.run_dir)
     cfg = TrainConfig.from_dict(data)

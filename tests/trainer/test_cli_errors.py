@@ -1,0 +1,80 @@
+"""rolloutstore-train refuses user errors with one line, exit code 2, and leaves nothing behind.
+
+Each case runs the real CLI in a subprocess (``python -m trainer``) and checks stderr is a
+single ``error: ...`` line naming the problem (no traceback), unless ``--debug`` asks for it.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from helpers import ROOT, TINY_RUN_TOML, trainer_cli
+
+from rolloutstore import RolloutStore
+
+
+def _one_line_error(p: subprocess.Popen, *needles: str) -> str:
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 2, (p.returncode, out[-2000:], err[-3000:])
+    # The error is one line, the last; before it only progress output (model building).
+    lines = [line for line in err.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("error: ")]
+    assert errors == lines[-1:], err[-3000:]
+    assert "Traceback" not in err
+    for needle in needles:
+        assert needle in errors[0], errors[0]
+    return errors[0]
+
+
+def _config(tmp_path, extra: str = "", model: str | None = None) -> str:
+    text = TINY_RUN_TOML.format() + extra
+    text += f'\n[run]\ndir = "{tmp_path / "run"}"\nsteps = 2\nwarm_start_steps = 0\n'
+    if model is not None:
+        text = text.replace("[model]\n", f'[model]\npath = "{model}"\n', 1)
+    path = tmp_path / "cfg.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_missing_model_folder_is_one_line_and_creates_no_run(tmp_path):
+    cfg = _config(tmp_path, model=str(tmp_path / "no-such-model"))
+    _one_line_error(trainer_cli("train", cfg), "[model].path", "no-such-model")
+    assert not (tmp_path / "run").exists()  # nothing half-made
+
+
+def test_model_folder_without_config_json(tmp_path):
+    (tmp_path / "weights-only").mkdir()
+    cfg = _config(tmp_path, model=str(tmp_path / "weights-only"))
+    _one_line_error(trainer_cli("train", cfg), "config.json")
+    assert not (tmp_path / "run").exists()
+
+
+def test_resume_of_a_folder_with_no_run(tmp_path):
+    (tmp_path / "empty").mkdir()
+    _one_line_error(trainer_cli("resume", str(tmp_path / "empty")), "no run to resume")
+
+
+def test_bad_config_key_and_debug_shows_the_traceback(tmp_path):
+    cfg = _config(tmp_path, extra="\n[loss]\nno_such_key = 1\n")
+    _one_line_error(trainer_cli("train", cfg), "[loss].no_such_key")
+    p = subprocess.run(
+        [sys.executable, "-m", "trainer", "--debug", "train", cfg, "-q"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert p.returncode != 0 and "Traceback" in p.stderr and "ConfigError" in p.stderr
+
+
+def test_source_store_with_another_embedding_dimension(tmp_path):
+    RolloutStore.open(tmp_path / "other", embedding_dim=32)
+    RolloutStore.open(tmp_path / "run" / "store", embedding_dim=64)
+    cfg = _config(tmp_path)
+    path = Path(cfg)
+    path.write_text(
+        path.read_text().replace("[run]\n", f'[run]\nsources = ["{tmp_path / "other"}"]\n')
+    )
+    _one_line_error(trainer_cli("train", cfg), "32-dimensional", "64")
