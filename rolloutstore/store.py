@@ -21,19 +21,22 @@ storage options) and reopens its datasets after a fork.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, Literal
 
 import lance
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 from lance.fragment import write_fragments
 
 from . import schema as S
 from .errors import (
+    DiskFullError,
     ReadOnlyError,
     SchemaError,
     StoreNotFoundError,
@@ -49,10 +52,19 @@ LINEAGE = "lineage.lance"
 REWARDS = "rewards.lance"
 
 
+OnDuplicate = Literal["error", "skip"]
+ID_INDEX = "rollout_id_idx"
+# Unindexed rows the duplicate check scans before the rollout_id index is brought up to
+# date (one extra commit). Measured on 200k rows (tools: see the store commit message):
+# a full scan costs ~37 ms per 64-id append (~4x the append), the BTREE index ~1.6 ms.
+INDEX_AFTER_ROWS = 20_000
+
+
 @dataclass(frozen=True)
 class AppendResult:
     rows: int
     version: int
+    skipped: int = 0  # rows left out by on_duplicate="skip"
 
 
 @dataclass(frozen=True)
@@ -221,46 +233,73 @@ class RolloutStore:
                 "RolloutStore.open(uri)"
             )
 
-    def append(self, data) -> AppendResult:
+    def append(self, data, *, on_duplicate: OnDuplicate = "error") -> AppendResult:
         """Validate and append rollouts atomically: all of ``data`` commits, or nothing.
 
         ``data``: a ``pyarrow.Table``/``RecordBatch``, a list of dicts, or an
         iterable of tables/record batches (streamed to fragments, then one commit).
         Raises :class:`ValidationError` naming the row and field; rows are counted
-        across the whole input.
+        across the whole input. A ``rollout_id`` given twice in ``data`` or already in
+        the store is refused (``on_duplicate="error"``) or that row is left out
+        (``"skip"``; the result counts it in ``skipped``).
         """
         self._check_writable()
-        chunks = _chunks(data)
+        if on_duplicate not in ("error", "skip"):
+            raise ValueError(f"on_duplicate must be 'error' or 'skip', got {on_duplicate!r}")
         target = _join(self.uri, ROLLOUTS)
         read_version = self._rollouts().version
-        fragments, rows = [], 0
-        for chunk in chunks:
-            try:
-                table = prepare(chunk, self.schema)
-            except ValidationError as exc:
-                if rows and exc.row is not None:
-                    raise ValidationError(exc.reason, row=rows + exc.row, field=exc.field) from exc
-                raise
-            if table.num_rows == 0:
-                continue
-            fragments += write_fragments(
-                table,
+        ids = _IdCheck(self, on_duplicate)
+        fragments: list = []
+        rows = seen = 0
+        try:
+            for chunk in _chunks(data):
+                given = _gives_ids(chunk)
+                try:
+                    table = prepare(chunk, self.schema, unique_ids=False)
+                    table = ids.filter(table, given)
+                except ValidationError as exc:
+                    if seen and exc.row is not None:
+                        raise ValidationError(
+                            exc.reason, row=seen + exc.row, field=exc.field
+                        ) from exc
+                    raise
+                seen += ids.last_rows
+                if table.num_rows == 0:
+                    continue
+                fragments += write_fragments(
+                    table,
+                    target,
+                    schema=self.schema,
+                    storage_options=self.storage_options,
+                    max_rows_per_file=1 << 20,
+                )
+                rows += table.num_rows
+            if not fragments:
+                return AppendResult(0, read_version, ids.skipped)
+            ds = lance.LanceDataset.commit(
                 target,
-                schema=self.schema,
+                lance.LanceOperation.Append(fragments),
+                read_version=read_version,
                 storage_options=self.storage_options,
-                max_rows_per_file=1 << 20,
             )
-            rows += table.num_rows
-        if not fragments:
-            return AppendResult(0, read_version)
-        ds = lance.LanceDataset.commit(
-            target,
-            lance.LanceOperation.Append(fragments),
-            read_version=read_version,
-            storage_options=self.storage_options,
-        )
+        except BaseException as exc:
+            # Uncommitted fragments are invisible but take disk; drop them now (gc() catches
+            # what a killed process leaves).
+            self._discard(fragments)
+            if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+                raise DiskFullError(f"append of {seen} rows", self.uri) from exc
+            raise
         self._ds_cache = ds
-        return AppendResult(rows, ds.version)
+        return AppendResult(rows, ds.version, ids.skipped)
+
+    def _discard(self, fragments: list) -> None:
+        if not _is_local(self.uri):
+            return
+        data = os.path.join(self.uri.removeprefix("file://"), ROLLOUTS, "data")
+        for frag in fragments:
+            for f in frag.files:
+                with contextlib.suppress(OSError):
+                    os.remove(os.path.join(data, f.path))
 
     def record_usage(
         self, rollout_ids: Sequence[str], learner_step: int, run_id: str = "default"
@@ -537,6 +576,95 @@ class RolloutStore:
         for d, _, files in os.walk(os.path.join(root, ROLLOUTS)):
             total += sum(os.path.getsize(os.path.join(d, f)) for f in files)
         return total
+
+
+def _gives_ids(chunk) -> bool:
+    """Whether the input names any rollout_id (ids the store generates are UUIDv7: unique)."""
+    if isinstance(chunk, (pa.Table, pa.RecordBatch)):
+        names = chunk.schema.names
+        return "rollout_id" in names and chunk.column("rollout_id").null_count < chunk.num_rows
+    if isinstance(chunk, Sequence):
+        return any(isinstance(r, dict) and r.get("rollout_id") is not None for r in chunk)
+    return True
+
+
+class _IdCheck:
+    """rollout_id uniqueness for one append: within the input (a set of the ids seen so
+    far) and against the store's latest version (a BTREE index lookup per chunk, plus a
+    scan of the fragments appended since the index was last brought up to date)."""
+
+    def __init__(self, store: RolloutStore, on_duplicate: str):
+        self.store, self.skip = store, on_duplicate == "skip"
+        self.seen: dict[str, int] = {}  # id -> input row that gave it
+        self.skipped = self.offset = self.last_rows = 0
+        self._indexed = False
+
+    def filter(self, table: pa.Table, given: bool) -> pa.Table:
+        n = self.last_rows = table.num_rows
+        offset, self.offset = self.offset, self.offset + n
+        if not given:
+            return table
+        ids = table["rollout_id"].to_pylist()
+        stored = self._stored(ids)
+        keep = np.ones(n, bool)
+        for i, rid in enumerate(ids):
+            first = self.seen.get(rid)
+            if first is None and rid not in stored:
+                self.seen[rid] = offset + i
+                continue
+            if not self.skip:
+                where = (
+                    f"repeats row {first} of this append"
+                    if first is not None
+                    else f"is already in the store (version {stored[rid]})"
+                )
+                raise ValidationError(
+                    f"expected a unique rollout_id, found {rid!r}, which {where}; pass "
+                    "on_duplicate='skip' (CLI: --on-duplicate skip) to leave such rows out",
+                    row=i,
+                    field="rollout_id",
+                )
+            keep[i] = False
+        if keep.all():
+            return table
+        self.skipped += int((~keep).sum())
+        return table.filter(pa.array(keep))
+
+    def _stored(self, ids: list[str]) -> dict[str, int]:
+        ds = self.store._open_ds(ROLLOUTS)  # latest: narrows the window for concurrent appends
+        if ds.count_rows() == 0:
+            return {}
+        if not self._indexed:
+            self._indexed = True
+            ds = _update_id_index(self.store, ds)
+        found: dict[str, int] = {}
+        for lo in range(0, len(ids), 8192):
+            part = pc.field("rollout_id").isin(ids[lo : lo + 8192])
+            t = ds.to_table(columns=["rollout_id"], filter=part)
+            found.update(dict.fromkeys(t["rollout_id"].to_pylist(), ds.version))
+        return found
+
+
+def _update_id_index(store: RolloutStore, ds: lance.LanceDataset) -> lance.LanceDataset:
+    """Create or extend the rollout_id BTREE index once INDEX_AFTER_ROWS rows lack it.
+
+    Best effort: a concurrent writer may win the commit; lookups then scan a bit more.
+    """
+    index = next((i for i in ds.list_indices() if i["name"] == ID_INDEX), None)
+    covered = set(index["fragment_ids"]) if index else set()
+    unindexed = sum(
+        f.metadata.physical_rows or 0 for f in ds.get_fragments() if f.fragment_id not in covered
+    )
+    if unindexed < INDEX_AFTER_ROWS:
+        return ds
+    try:
+        if index is None:
+            ds.create_scalar_index("rollout_id", "BTREE", name=ID_INDEX)
+        else:
+            ds.optimize.optimize_indices(index_names=[ID_INDEX])
+    except (OSError, ValueError, RuntimeError):
+        return ds
+    return store._open_ds(ROLLOUTS)
 
 
 def _chunks(data) -> Iterable:
