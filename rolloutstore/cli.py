@@ -1,7 +1,7 @@
 """The ``rolloutstore`` command line: create, fill, inspect and maintain a store.
 
 rolloutstore init STORE [--embedding-dim 64]
-rolloutstore ingest STORE FILE... [--map SRC=DEST]
+rolloutstore ingest STORE FILE... [--map SRC=DEST] [--on-duplicate error|skip]
 rolloutstore sql STORE "SELECT ..." [--param V ...] [--format table|csv|json|parquet] [--out F]
 rolloutstore stats STORE [--json]
 rolloutstore versions STORE
@@ -110,16 +110,24 @@ def cmd_init(a) -> None:
 
 
 def cmd_ingest(a) -> None:
-    from .ingest import ingest_file
+    from .ingest import ingest_files
 
-    store = _store(a.store, create=True)
+    def report(r) -> None:
+        skipped = f", {r.skipped} skipped as duplicates" if r.skipped else ""
+        print(f"{r.path}: {r.rows} rollouts{skipped} (store version {r.version})")
+
     rename = dict(m.split("=", 1) for m in a.map)
-    total = 0
-    for f in a.files:
-        r = ingest_file(store, f, rename=rename, progress=not a.quiet)
-        total += r.rows
-        print(f"{f}: {r.rows} rollouts (store version {r.version})")
-    print(f"ingested {total} rollouts into {store.uri}; store has {store.count()}")
+    store, results = ingest_files(
+        a.store,
+        a.files,
+        rename=rename,
+        progress=not a.quiet,
+        on_duplicate=a.on_duplicate,
+        on_result=report,
+    )
+    total, skipped = sum(r.rows for r in results), sum(r.skipped for r in results)
+    dup = f" ({skipped} skipped: rollout_id already stored)" if skipped else ""
+    print(f"ingested {total} rollouts{dup} into {store.uri}; store has {store.count()}")
 
 
 def cmd_sql(a) -> None:
@@ -328,6 +336,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("files", nargs="+")
     p.add_argument("--map", action="append", default=[], metavar="SRC=DEST", help="rename a field")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--on-duplicate",
+        choices=["error", "skip"],
+        default="error",
+        help="a rollout_id already stored: refuse the file (error) or leave the row out (skip)",
+    )
     p.set_defaults(func=cmd_ingest)
 
     p = sub.add_parser("sql", help="run a DuckDB query over views rollouts, usage, groups")

@@ -69,3 +69,15 @@ class DiskFullError(RolloutStoreError, OSError):
 
 class CorruptStoreError(RolloutStoreError, OSError):
     """The newest version of a store cannot be read (a torn manifest)."""
+
+
+class FileUnreadableError(IngestError):
+    """An input file cannot be read to its end (truncated, corrupt, not the format its
+    name says, not a file). Nothing of it was written."""
+
+    def __init__(self, path: str, expected: str, found: str, fix: str):
+        Exception.__init__(
+            self,
+            f"{path}: expected {expected}, found {found}; {fix}. Nothing of this file was written.",
+        )
+        self.row, self.field, self.reason, self.path = None, None, found, path

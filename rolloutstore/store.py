@@ -286,7 +286,7 @@ class RolloutStore:
             # Uncommitted fragments are invisible but take disk; drop them now (gc() catches
             # what a killed process leaves).
             self._discard(fragments)
-            if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+            if isinstance(exc, OSError) and _disk_full(exc):
                 raise DiskFullError(f"append of {seen} rows", self.uri) from exc
             raise
         self._ds_cache = ds
@@ -343,7 +343,12 @@ class RolloutStore:
         out = {}
         for name in (ROLLOUTS, USAGE):
             ds = self._open_ds(name)
-            metrics = ds.optimize.compact_files()
+            try:
+                metrics = ds.optimize.compact_files()
+            except OSError as exc:
+                if _disk_full(exc):
+                    raise DiskFullError(f"compaction of {name}", self.uri) from exc
+                raise
             out[name.split(".")[0]] = {
                 "fragments_removed": metrics.fragments_removed,
                 "fragments_added": metrics.fragments_added,
@@ -578,6 +583,11 @@ class RolloutStore:
         return total
 
 
+def _disk_full(exc: OSError) -> bool:
+    # Lance reports I/O errors from Rust as OSError without errno: match its text too.
+    return exc.errno == errno.ENOSPC or "os error 28" in str(exc) or "No space left" in str(exc)
+
+
 def _gives_ids(chunk) -> bool:
     """Whether the input names any rollout_id (ids the store generates are UUIDv7: unique)."""
     if isinstance(chunk, (pa.Table, pa.RecordBatch)):
@@ -650,12 +660,8 @@ def _update_id_index(store: RolloutStore, ds: lance.LanceDataset) -> lance.Lance
 
     Best effort: a concurrent writer may win the commit; lookups then scan a bit more.
     """
-    index = next((i for i in ds.list_indices() if i["name"] == ID_INDEX), None)
-    covered = set(index["fragment_ids"]) if index else set()
-    unindexed = sum(
-        f.metadata.physical_rows or 0 for f in ds.get_fragments() if f.fragment_id not in covered
-    )
-    if unindexed < INDEX_AFTER_ROWS:
+    index = next((i for i in ds.describe_indices() if i.name == ID_INDEX), None)
+    if ds.count_rows() - (index.num_rows_indexed if index else 0) < INDEX_AFTER_ROWS:
         return ds
     try:
         if index is None:

@@ -110,7 +110,7 @@ def _cast(
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as exc:
         for i in range(len(col)):
             try:
-                col.slice(i, 1).cast(type_, safe=safe)
+                col.take([i]).cast(type_, safe=safe)  # take: a slice keeps all values
             except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as one:
                 v = values[i] if values is not None else col[i].as_py()
                 raise ValidationError(
