@@ -6,6 +6,7 @@ rolloutstore sql STORE "SELECT ..." [--param V ...] [--format table|csv|json|par
 rolloutstore stats STORE [--json]
 rolloutstore versions STORE
 rolloutstore compact STORE [--cleanup-older-than-hours H]
+rolloutstore gc STORE [--min-age-hours 1] [--exports DIR ...] [--dry-run]
 rolloutstore evict STORE (--keep N | --older-than-hours H | --min-policy-version V)
 rolloutstore evict STORE --keep N --preserve-diversity [--reserve F] [--clusters K]
 rolloutstore rescore STORE --task NAME [--task-option K=V] [--where EXPR --param V]
@@ -234,6 +235,16 @@ def cmd_compact(a) -> None:
     print(json.dumps(store.compact(cleanup_older_than=older), indent=2))
 
 
+def cmd_gc(a) -> None:
+    store = _store(a.store)
+    r = store.gc(min_age=timedelta(hours=a.min_age_hours), exports=a.exports, dry_run=a.dry_run)
+    verb = "would remove" if a.dry_run else "removed"
+    print(
+        f"{verb} {len(r.removed)} unreferenced files ({r.bytes_removed} bytes); kept "
+        f"{r.kept_young} younger than {a.min_age_hours} h; {r.versions_checked} versions checked"
+    )
+
+
 def cmd_evict(a) -> None:
     import dataclasses
 
@@ -414,6 +425,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("store")
     p.add_argument("--cleanup-older-than-hours", type=float, default=None)
     p.set_defaults(func=cmd_compact)
+
+    p = sub.add_parser("gc", help="remove files killed appends/exports left that no version uses")
+    p.add_argument("store")
+    p.add_argument("--min-age-hours", type=float, default=1.0, help="only files older than this")
+    p.add_argument("--exports", nargs="*", default=[], metavar="DIR", help="export folders")
+    p.add_argument("--dry-run", action="store_true", help="list, remove nothing")
+    p.set_defaults(func=cmd_gc)
 
     p = sub.add_parser("evict", help="delete rows by an explicit retention rule")
     p.add_argument("store")

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -36,12 +37,14 @@ from lance.fragment import write_fragments
 
 from . import schema as S
 from .errors import (
+    CorruptStoreError,
     DiskFullError,
     ReadOnlyError,
     SchemaError,
     StoreNotFoundError,
     ValidationError,
 )
+from .gc import DEFAULT_MIN_AGE, GcResult, collect_dataset, collect_export_temps, merge
 from .retention import RetentionConfig, RetentionReport
 from .validate import prepare
 
@@ -109,7 +112,13 @@ class RolloutStore:
         self._pinned = version
         self._pid = os.getpid()
         self._ds_cache: lance.LanceDataset | None = None
-        ds = self._rollouts()
+        self._torn: tuple[int, int] | None = None  # (unreadable newest version, fallback)
+        try:
+            ds = self._rollouts()
+        except (OSError, ValueError, RuntimeError) as exc:
+            if version is not None or not _is_local(self.uri):
+                raise
+            ds = self._fall_back(exc)
         _, self.embedding_dim = S.read_metadata(ds.schema)
         self.schema = S.rollout_schema(self.embedding_dim)
 
@@ -169,6 +178,54 @@ class RolloutStore:
                 if not _exists(target, storage_options):
                     raise StoreNotFoundError(f"could not create {target!r}: {exc}") from exc
 
+    def _fall_back(self, exc: Exception) -> lance.LanceDataset:
+        """The newest version of rollouts cannot be opened (a torn manifest): open the newest
+        one that can, read-only, with one warning naming both."""
+        folder = os.path.join(self.uri.removeprefix("file://"), ROLLOUTS, "_versions")
+        versions = sorted(_manifest_versions(folder), reverse=True)
+        for v in versions[1:]:
+            try:
+                ds = self._open_ds(ROLLOUTS, v)
+            except (OSError, ValueError, RuntimeError):
+                continue
+            bad = versions[0]
+            self._pinned, self._ds_cache, self._torn = v, ds, (bad, v)
+            warnings.warn(
+                f"store {self.uri!r}: version {bad} of {ROLLOUTS} is unreadable "
+                f"({str(exc).splitlines()[0]}); opened version {v} read-only instead. Writes "
+                "are refused until it is repaired (RolloutStore.repair(), after checking "
+                "the disk)",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            return ds
+        raise CorruptStoreError(
+            f"no readable version of {_join(self.uri, ROLLOUTS)!r}: expected a manifest Lance "
+            f"can open, found {len(versions)} that fail ({str(exc).splitlines()[0]}); restore "
+            "the store from a copy"
+        ) from exc
+
+    def repair(self) -> int | None:
+        """Move unreadable manifests newer than the last good version aside (into
+        ``rollouts.lance/_torn/``), so the store opens writable again at that version.
+
+        Returns the version the store is now at, or None if nothing was torn.
+        """
+        if self._torn is None:
+            return None
+        bad_from, good = self._torn
+        folder = os.path.join(self.uri.removeprefix("file://"), ROLLOUTS)
+        aside = os.path.join(folder, "_torn")
+        os.makedirs(aside, exist_ok=True)
+        for v, name in _manifest_versions(os.path.join(folder, "_versions")).items():
+            if v > good:
+                os.replace(os.path.join(folder, "_versions", name), os.path.join(aside, name))
+        hint = os.path.join(folder, "_versions", "latest_version_hint.json")
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(hint)
+        self._pinned, self._torn, self._ds_cache = None, None, None
+        return self.version
+
     def __reduce__(self):
         return (_reopen, (self.uri, self._pinned, self.storage_options))
 
@@ -227,6 +284,13 @@ class RolloutStore:
 
     # -- writing -------------------------------------------------------------------------
     def _check_writable(self) -> None:
+        if self._torn is not None:
+            bad, good = self._torn
+            raise ReadOnlyError(
+                f"store {self.uri!r} opened read-only at version {good}: its newest version "
+                f"{bad} is unreadable (torn manifest); expected a readable newest version, "
+                "found a damaged one; check the disk, then call RolloutStore.repair()"
+            )
         if self._pinned is not None:
             raise ReadOnlyError(
                 f"store snapshot at version {self._pinned} is read-only; write through "
@@ -358,6 +422,32 @@ class RolloutStore:
                 out[name.split(".")[0]]["bytes_removed"] = stats.bytes_removed
         self._ds_cache = None
         return out
+
+    def gc(
+        self,
+        *,
+        min_age: timedelta = DEFAULT_MIN_AGE,
+        exports: Sequence[str | os.PathLike] = (),
+        dry_run: bool = False,
+    ) -> GcResult:
+        """Remove data files no retained version references (left by killed appends) that are
+        older than ``min_age``, and killed exports' ``.OUT.tmp-PID`` files in ``exports``.
+
+        Safe with concurrent readers and appenders; see :mod:`rolloutstore.gc`.
+        """
+        self._check_writable()
+        if not _is_local(self.uri):
+            raise ValueError(
+                f"gc works on local stores; {self.uri!r} is an object store: expire "
+                "unreferenced data/ files with a bucket lifecycle rule instead"
+            )
+        results = [
+            collect_dataset(self._open_ds(name), min_age=min_age, dry_run=dry_run)
+            for name in (ROLLOUTS, USAGE, REWARDS, LINEAGE)
+            if _exists(_join(self.uri, name), self.storage_options)
+        ]
+        results.append(collect_export_temps(exports, min_age=min_age, dry_run=dry_run))
+        return merge(results)
 
     def evict(
         self,
@@ -581,6 +671,19 @@ class RolloutStore:
         for d, _, files in os.walk(os.path.join(root, ROLLOUTS)):
             total += sum(os.path.getsize(os.path.join(d, f)) for f in files)
         return total
+
+
+def _manifest_versions(folder: str) -> dict[int, str]:
+    """Version -> manifest file name in a local ``_versions`` folder (either naming scheme:
+    V2 names a version ``2**64 - 1 - v``, V1 names it ``v``)."""
+    out = {}
+    for name in os.listdir(folder):
+        stem, dot, ext = name.partition(".")
+        if ext != "manifest" or not stem.isdigit():
+            continue
+        n = int(stem)
+        out[(2**64 - 1 - n) if n > 2**63 else n] = name
+    return out
 
 
 def _disk_full(exc: OSError) -> bool:

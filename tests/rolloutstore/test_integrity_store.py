@@ -6,6 +6,12 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
+import subprocess
+import sys
+import time
+import warnings
+from datetime import timedelta
 
 import lance
 import pyarrow as pa
@@ -14,6 +20,7 @@ import pytest
 import zstandard
 from helpers import make_rows
 from lance.dataset import DatasetOptimizer
+from lance.fragment import write_fragments
 
 from rolloutstore import ReplayConfig, ReplayDataset, RolloutStore
 from rolloutstore import store as store_mod
@@ -22,6 +29,7 @@ from rolloutstore.errors import (
     DiskFullError,
     FileUnreadableError,
     IngestError,
+    ReadOnlyError,
     RolloutStoreError,
     ValidationError,
 )
@@ -300,7 +308,7 @@ def test_unreadable_file_is_refused_and_creates_nothing(tmp_path, capsys, name):
     assert main(["ingest", "-q", str(uri), str(f)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: ")
-    assert __import__("re").search(EXPECT[name], err), err
+    assert re.search(EXPECT[name], err), err
     assert not uri.exists()
     s = RolloutStore.open(tmp_path / "store")
     s.append(make_rows(2))
@@ -378,3 +386,113 @@ def test_disk_full_during_append_and_compact_is_a_clear_error(store, monkeypatch
 def test_ingest_error_family(tmp_path):
     assert issubclass(FileUnreadableError, IngestError)
     assert issubclass(DiskFullError, RolloutStoreError)
+
+
+# -- gc: files killed appends and exports leave behind -----------------------------------
+def _age(path, hours: float) -> None:
+    t = time.time() - hours * 3600
+    os.utime(path, (t, t))
+
+
+def _killed_append(store: RolloutStore, seed: int) -> list[str]:
+    """What an appender killed between writing its fragments and committing leaves."""
+    table = prepare(make_rows(4, seed=seed), store.schema)
+    frags = write_fragments(table, store.dataset().uri, schema=store.schema)
+    return [os.path.join(store.dataset().uri, "data", f.path) for fr in frags for f in fr.files]
+
+
+def _every_version(store: RolloutStore) -> dict[int, list]:
+    return {
+        v["version"]: sorted(
+            store.checkout(v["version"]).dataset().to_table()["rollout_id"].to_pylist()
+        )
+        for v in store.versions()
+    }
+
+
+def test_gc_removes_old_orphans_and_keeps_every_version_readable(store, tmp_path):
+    for i in range(3):
+        store.append(make_rows(5, seed=i))
+    store.evict(keep_last=7)
+    store.compact()  # old versions still reference the pre-compaction files
+    store.append(make_rows(2, seed=9))
+    old = _killed_append(store, 20)
+    young = _killed_append(store, 21)
+    for p in old:
+        _age(p, 2)
+    exports = tmp_path / "exports"
+    exports.mkdir()
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    stale = exports / f".out.parquet.tmp-{int(dead.stdout)}"
+    stale.write_bytes(b"partial")
+    live = exports / f".other.jsonl.tmp-{os.getpid()}"
+    live.write_bytes(b"in progress")
+    kept = exports / "out.parquet"
+    kept.write_bytes(b"done")
+    for p in (stale, live, kept):
+        _age(p, 2)
+    before = _every_version(store)
+    assert len(before) >= 6
+    r = store.gc(exports=[exports])
+    assert sorted(r.removed) == sorted([*old, str(stale)])
+    assert r.kept_young == len(young) + 1 and r.versions_checked >= len(before)
+    assert all(os.path.exists(p) for p in young) and live.exists() and kept.exists()
+    assert _every_version(RolloutStore.open(store.uri, create=False)) == before
+    # With no safety age the young orphan goes too; referenced files never do.
+    r = store.gc(min_age=timedelta(0))
+    assert sorted(r.removed) == sorted(young)
+    assert _every_version(store) == before
+    store.append(make_rows(1, seed=30))
+
+
+def test_gc_cli_dry_run_lists_and_keeps(tmp_path, capsys):
+    s = RolloutStore.open(tmp_path / "store")
+    s.append(make_rows(2))
+    orphans = _killed_append(s, 1)
+    for p in orphans:
+        _age(p, 3)
+    assert main(["gc", str(s.uri), "--dry-run"]) == 0
+    assert f"would remove {len(orphans)} unreferenced files" in capsys.readouterr().out
+    assert all(os.path.exists(p) for p in orphans)
+    assert main(["gc", str(s.uri), "--min-age-hours", "4"]) == 0
+    assert all(os.path.exists(p) for p in orphans)
+    assert main(["gc", str(s.uri)]) == 0
+    assert not any(os.path.exists(p) for p in orphans) and s.count() == 2
+
+
+# -- a torn newest manifest --------------------------------------------------------------
+def _tear_newest_manifest(store: RolloutStore) -> None:
+    folder = os.path.join(store.dataset().uri, "_versions")
+    newest = min(n for n in os.listdir(folder) if n.endswith(".manifest"))  # V2: 2**64-1-v
+    path = os.path.join(folder, newest)
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+
+
+def test_torn_manifest_opens_previous_version_read_only_until_repaired(tmp_path):
+    uri = tmp_path / "store"
+    s = RolloutStore.open(uri)
+    for i in range(3):
+        s.append(make_rows(3, seed=i))
+    assert s.version == 4
+    _tear_newest_manifest(s)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torn = RolloutStore.open(uri, create=False)
+        assert torn.count() == 6 and torn.version == 3
+        torn.sql("SELECT count(*) FROM rollouts")
+    assert len(caught) == 1
+    assert re.search(
+        r"version 4 of rollouts.lance is unreadable.*opened version 3", str(caught[0].message)
+    )
+    with pytest.raises(ReadOnlyError, match=r"version 3.*newest version 4 is unreadable.*repair"):
+        torn.append(make_rows(1))
+    with pytest.raises(ReadOnlyError):
+        torn.gc()
+    assert torn.repair() == 3
+    assert torn.append(make_rows(1, seed=7)).version == 4
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert RolloutStore.open(uri, create=False).count() == 7
