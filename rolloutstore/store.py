@@ -27,12 +27,11 @@ import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any, Literal
+from typing import Any
 
 import lance
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 from lance.fragment import write_fragments
 
 from . import schema as S
@@ -46,6 +45,7 @@ from .errors import (
 )
 from .gc import DEFAULT_MIN_AGE, GcResult, collect_dataset, collect_export_temps, merge
 from .retention import RetentionConfig, RetentionReport
+from .unique import IdCheck, OnDuplicate, gives_ids
 from .validate import prepare
 
 ROLLOUTS = "rollouts.lance"
@@ -53,14 +53,6 @@ USAGE = "usage.lance"
 USAGE_MAX_FRAGMENTS = 64
 LINEAGE = "lineage.lance"
 REWARDS = "rewards.lance"
-
-
-OnDuplicate = Literal["error", "skip"]
-ID_INDEX = "rollout_id_idx"
-# Unindexed rows the duplicate check scans before the rollout_id index is brought up to
-# date (one extra commit). Measured on 200k rows (tools: see the store commit message):
-# a full scan costs ~37 ms per 64-id append (~4x the append), the BTREE index ~1.6 ms.
-INDEX_AFTER_ROWS = 20_000
 
 
 @dataclass(frozen=True)
@@ -312,12 +304,12 @@ class RolloutStore:
             raise ValueError(f"on_duplicate must be 'error' or 'skip', got {on_duplicate!r}")
         target = _join(self.uri, ROLLOUTS)
         read_version = self._rollouts().version
-        ids = _IdCheck(self, on_duplicate)
+        ids = IdCheck(lambda: self._open_ds(ROLLOUTS), on_duplicate)
         fragments: list = []
         rows = seen = 0
         try:
             for chunk in _chunks(data):
-                given = _gives_ids(chunk)
+                given = gives_ids(chunk)
                 try:
                     table = prepare(chunk, self.schema, unique_ids=False)
                     table = ids.filter(table, given)
@@ -689,91 +681,6 @@ def _manifest_versions(folder: str) -> dict[int, str]:
 def _disk_full(exc: OSError) -> bool:
     # Lance reports I/O errors from Rust as OSError without errno: match its text too.
     return exc.errno == errno.ENOSPC or "os error 28" in str(exc) or "No space left" in str(exc)
-
-
-def _gives_ids(chunk) -> bool:
-    """Whether the input names any rollout_id (ids the store generates are UUIDv7: unique)."""
-    if isinstance(chunk, (pa.Table, pa.RecordBatch)):
-        names = chunk.schema.names
-        return "rollout_id" in names and chunk.column("rollout_id").null_count < chunk.num_rows
-    if isinstance(chunk, Sequence):
-        return any(isinstance(r, dict) and r.get("rollout_id") is not None for r in chunk)
-    return True
-
-
-class _IdCheck:
-    """rollout_id uniqueness for one append: within the input (a set of the ids seen so
-    far) and against the store's latest version (a BTREE index lookup per chunk, plus a
-    scan of the fragments appended since the index was last brought up to date)."""
-
-    def __init__(self, store: RolloutStore, on_duplicate: str):
-        self.store, self.skip = store, on_duplicate == "skip"
-        self.seen: dict[str, int] = {}  # id -> input row that gave it
-        self.skipped = self.offset = self.last_rows = 0
-        self._indexed = False
-
-    def filter(self, table: pa.Table, given: bool) -> pa.Table:
-        n = self.last_rows = table.num_rows
-        offset, self.offset = self.offset, self.offset + n
-        if not given:
-            return table
-        ids = table["rollout_id"].to_pylist()
-        stored = self._stored(ids)
-        keep = np.ones(n, bool)
-        for i, rid in enumerate(ids):
-            first = self.seen.get(rid)
-            if first is None and rid not in stored:
-                self.seen[rid] = offset + i
-                continue
-            if not self.skip:
-                where = (
-                    f"repeats row {first} of this append"
-                    if first is not None
-                    else f"is already in the store (version {stored[rid]})"
-                )
-                raise ValidationError(
-                    f"expected a unique rollout_id, found {rid!r}, which {where}; pass "
-                    "on_duplicate='skip' (CLI: --on-duplicate skip) to leave such rows out",
-                    row=i,
-                    field="rollout_id",
-                )
-            keep[i] = False
-        if keep.all():
-            return table
-        self.skipped += int((~keep).sum())
-        return table.filter(pa.array(keep))
-
-    def _stored(self, ids: list[str]) -> dict[str, int]:
-        ds = self.store._open_ds(ROLLOUTS)  # latest: narrows the window for concurrent appends
-        if ds.count_rows() == 0:
-            return {}
-        if not self._indexed:
-            self._indexed = True
-            ds = _update_id_index(self.store, ds)
-        found: dict[str, int] = {}
-        for lo in range(0, len(ids), 8192):
-            part = pc.field("rollout_id").isin(ids[lo : lo + 8192])
-            t = ds.to_table(columns=["rollout_id"], filter=part)
-            found.update(dict.fromkeys(t["rollout_id"].to_pylist(), ds.version))
-        return found
-
-
-def _update_id_index(store: RolloutStore, ds: lance.LanceDataset) -> lance.LanceDataset:
-    """Create or extend the rollout_id BTREE index once INDEX_AFTER_ROWS rows lack it.
-
-    Best effort: a concurrent writer may win the commit; lookups then scan a bit more.
-    """
-    index = next((i for i in ds.describe_indices() if i.name == ID_INDEX), None)
-    if ds.count_rows() - (index.num_rows_indexed if index else 0) < INDEX_AFTER_ROWS:
-        return ds
-    try:
-        if index is None:
-            ds.create_scalar_index("rollout_id", "BTREE", name=ID_INDEX)
-        else:
-            ds.optimize.optimize_indices(index_names=[ID_INDEX])
-    except (OSError, ValueError, RuntimeError):
-        return ds
-    return store._open_ds(ROLLOUTS)
 
 
 def _chunks(data) -> Iterable:

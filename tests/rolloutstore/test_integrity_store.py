@@ -24,6 +24,7 @@ from lance.fragment import write_fragments
 
 from rolloutstore import ReplayConfig, ReplayDataset, RolloutStore
 from rolloutstore import store as store_mod
+from rolloutstore import unique
 from rolloutstore.cli import main
 from rolloutstore.errors import (
     DiskFullError,
@@ -223,13 +224,13 @@ def test_duplicate_against_the_store_error_or_skip(store):
 
 
 def test_duplicate_check_uses_the_index_and_the_unindexed_tail(store, monkeypatch):
-    monkeypatch.setattr(store_mod, "INDEX_AFTER_ROWS", 10)
+    monkeypatch.setattr(unique, "INDEX_AFTER_ROWS", 10)
     rows = make_rows(40, seed=4)
     for i, r in enumerate(rows):
         r["rollout_id"] = f"x{i:03d}"
     for lo in range(0, 30, 10):
         store.append(rows[lo : lo + 10])
-    idx = [i for i in store.dataset().describe_indices() if i.name == store_mod.ID_INDEX]
+    idx = [i for i in store.dataset().describe_indices() if i.name == unique.ID_INDEX]
     assert idx, "the rollout_id index is built once enough rows lack it"
     store.append(rows[30:35])  # unindexed tail
     for old in (rows[3], rows[33]):
