@@ -250,7 +250,16 @@ def ingest_files(
     uri = os.fspath(uri)
     local = "://" not in uri or uri.startswith("file://")
     folder = uri.removeprefix("file://")
-    created = local and not os.path.exists(folder)
+    # What this call creates (the folder, or the datasets in an existing empty folder).
+    created = [
+        p
+        for p in (
+            folder,
+            os.path.join(folder, "rollouts.lance"),
+            os.path.join(folder, "usage.lance"),
+        )
+        if local and not os.path.exists(p)
+    ]
     store = RolloutStore.open(uri, create=True)
     results: list[IngestResult] = []
     try:
@@ -261,6 +270,7 @@ def ingest_files(
                 on_result(r)
     except BaseException:
         if created and not any(r.rows for r in results) and store.count() == 0:
-            shutil.rmtree(folder, ignore_errors=True)
+            for p in created[:1] if created[0] == folder else created:
+                shutil.rmtree(p, ignore_errors=True)
         raise
     return store, results

@@ -22,9 +22,8 @@ from helpers import make_rows
 from lance.dataset import DatasetOptimizer
 from lance.fragment import write_fragments
 
-from rolloutstore import ReplayConfig, ReplayDataset, RolloutStore
+from rolloutstore import ReplayConfig, ReplayDataset, RolloutStore, unique
 from rolloutstore import store as store_mod
-from rolloutstore import unique
 from rolloutstore.cli import main
 from rolloutstore.errors import (
     DiskFullError,
@@ -339,6 +338,9 @@ def test_row_error_in_first_file_leaves_no_store_behind(tmp_path):
     uri = tmp_path / "store"
     assert main(["ingest", "-q", str(uri), str(f)]) == 2
     assert not uri.exists()
+    uri.mkdir()  # an empty folder the user made stays, and stays empty
+    assert main(["ingest", "-q", str(uri), str(f)]) == 2
+    assert uri.is_dir() and list(uri.iterdir()) == []
 
 
 def test_multi_frame_zstd_is_read_to_the_end(tmp_path, store):
