@@ -307,6 +307,7 @@ class RolloutStore:
         ids = IdCheck(lambda: self._open_ds(ROLLOUTS), on_duplicate)
         fragments: list = []
         rows = seen = 0
+        committing = False
         try:
             for chunk in _chunks(data):
                 given = gives_ids(chunk)
@@ -332,6 +333,7 @@ class RolloutStore:
                 rows += table.num_rows
             if not fragments:
                 return AppendResult(0, read_version, ids.skipped)
+            committing = True
             ds = lance.LanceDataset.commit(
                 target,
                 lance.LanceOperation.Append(fragments),
@@ -340,13 +342,23 @@ class RolloutStore:
             )
         except BaseException as exc:
             # Uncommitted fragments are invisible but take disk; drop them now (gc() catches
-            # what a killed process leaves).
-            self._discard(fragments)
+            # what a killed process leaves) -- unless a failed commit got far enough to
+            # reference them.
+            if not (committing and self._references_any(fragments)):
+                self._discard(fragments)
             if isinstance(exc, OSError) and _disk_full(exc):
                 raise DiskFullError(f"append of {seen} rows", self.uri) from exc
             raise
         self._ds_cache = ds
         return AppendResult(rows, ds.version, ids.skipped)
+
+    def _references_any(self, fragments: list) -> bool:
+        ours = {f.path for frag in fragments for f in frag.files}
+        try:
+            latest = self._open_ds(ROLLOUTS)
+            return any(f.path in ours for fr in latest.get_fragments() for f in fr.metadata.files)
+        except (OSError, ValueError, RuntimeError):
+            return True  # cannot tell: keep the files (gc collects them if unreferenced)
 
     def _discard(self, fragments: list) -> None:
         if not _is_local(self.uri):

@@ -53,7 +53,7 @@ def _find_bad_row(values: list, name: str, type_: pa.DataType) -> None:
             _cast(pa.array([v]), name, type_, [v])
         except ValidationError as exc:
             raise ValidationError(exc.reason, row=i, field=name) from None
-    first = type(values[0]).__name__ if values else "nothing"
+    first = next((type(v).__name__ for v in values if v is not None), "nothing")
     for i, v in enumerate(values):
         if type(v).__name__ != first and v is not None:
             raise ValidationError(

@@ -369,6 +369,17 @@ def test_disk_full_during_append_and_compact_is_a_clear_error(store, monkeypatch
     assert isinstance(info.value, OSError)
     assert _unchanged(store, before)
     monkeypatch.setattr(store_mod, "write_fragments", real)
+    data = os.path.join(store.dataset().uri, "data")
+    files = sorted(os.listdir(data))
+
+    def commit_full(*a, **k):  # the disk fills while the manifest is written
+        raise OSError("LanceError(IO): No space left on device (os error 28)")
+
+    with monkeypatch.context() as m:
+        m.setattr(lance.LanceDataset, "commit", staticmethod(commit_full))
+        with pytest.raises(DiskFullError, match="store is intact"):
+            store.append(make_rows(3, seed=6))
+    assert _unchanged(store, before) and sorted(os.listdir(data)) == files
 
     def compact_full(self, *a, **k):
         raise OSError("LanceError(IO): No space left on device (os error 28)")
