@@ -14,11 +14,14 @@ import warnings
 from datetime import timedelta
 
 import lance
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import zstandard
 from helpers import make_rows
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from lance.dataset import DatasetOptimizer
 from lance.fragment import write_fragments
 
@@ -34,6 +37,8 @@ from rolloutstore.errors import (
     ValidationError,
 )
 from rolloutstore.ingest import ingest_file
+from rolloutstore.replay.loader import collate
+from rolloutstore.replay.selector import Selection
 from rolloutstore.validate import prepare
 
 
@@ -510,3 +515,42 @@ def test_torn_manifest_opens_previous_version_read_only_until_repaired(tmp_path)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert RolloutStore.open(uri, create=False).count() == 7
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lengths=st.lists(st.tuples(st.integers(0, 4), st.integers(0, 4)), max_size=6),
+    pack=st.booleans(),
+)
+def test_collate_handles_any_lengths_including_zero(lengths, pack):
+    """Any rows the selector can hand over, token-less or none at all, collate without error,
+    and every scorable completion token lands in the loss mask with its log-prob."""
+    n = len(lengths)
+    prompts = [list(range(1, p + 1)) for p, _ in lengths]
+    comps = [list(range(100, 100 + c)) for _, c in lengths]
+    lps = [[-(i + 1) / 10 for i in range(c)] for _, c in lengths]
+    rows = pa.table(
+        {
+            "prompt_ids": pa.array(prompts, pa.list_(pa.int32())),
+            "completion_ids": pa.array(comps, pa.list_(pa.int32())),
+            "behavior_logprobs": pa.array(lps, pa.list_(pa.float32())),
+        }
+    )
+    sel = Selection(
+        row_addresses=np.arange(n, dtype=np.uint64),
+        rollout_ids=[f"r{i}" for i in range(n)],
+        weights=np.ones(n, np.float32),
+        staleness=np.zeros(n, np.int64),
+        policy_version=np.zeros(n, np.int64),
+        prompt_ids=[f"p{i}" for i in range(n)],
+        run_ids=["t"] * n,
+        rewards=np.ones(n, np.float32),
+        advantages=np.full(n, 0.5, np.float32),
+    )
+    b = collate(rows, sel, np.arange(n), pack=pack)
+    scorable = sum(c - (p == 0 and c > 0) for p, c in lengths)
+    assert int(b["loss_mask"].sum()) == scorable == b["num_loss_tokens"]
+    assert int(b["attention_mask"].sum()) == sum(p + c for p, c in lengths) == b["num_tokens"]
+    want = sorted(x for (p, c), lp in zip(lengths, lps) for x in lp[(p == 0) :])
+    got = sorted(b["behavior_logprobs"][b["loss_mask"] > 0].tolist())
+    assert np.allclose(got, np.float32(want))
