@@ -554,3 +554,34 @@ def test_collate_handles_any_lengths_including_zero(lengths, pack):
     want = sorted(x for (p, c), lp in zip(lengths, lps) for x in lp[(p == 0) :])
     got = sorted(b["behavior_logprobs"][b["loss_mask"] > 0].tolist())
     assert np.allclose(got, np.float32(want))
+
+
+def test_gc_after_real_sigkilled_appenders_leaves_exactly_the_referenced_files(tmp_path):
+    from pathlib import Path
+
+    from rolloutstore.gc import referenced_files
+
+    worker = Path(__file__).parents[1] / "append_worker.py"
+    root = worker.parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(root / "tests")])}
+    uri = tmp_path / "store"
+    RolloutStore.open(uri)
+    for k in range(3):
+        proc = subprocess.Popen(
+            [sys.executable, str(worker), str(uri), f"k{k}", "10000"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        assert proc.stdout.readline() != "", proc.stderr.read()
+        time.sleep(0.05 * k)
+        proc.kill()
+        proc.wait()
+    s = RolloutStore.open(uri, create=False)
+    before = _every_version(s)
+    s.gc(min_age=timedelta(0))  # no writer is left, so no age is needed
+    ds = s.dataset()
+    keep, _ = referenced_files(ds)
+    assert set(os.listdir(os.path.join(ds.uri, "data"))) == keep
+    assert _every_version(s) == before
