@@ -126,6 +126,8 @@ def test_wheel_ships_the_schema_and_opens_a_store(tmp_path):
     _pip(python, str(wheel))
     out = _check_store_opens(python, tmp_path, venv)
     assert Path(out["schema_dir"]).resolve().is_relative_to(venv.resolve())
+    # The console script reads the packaged schema too.
+    assert "rollout schema v1" in _run(str(venv / "bin" / "rolloutstore"), "schema", cwd=tmp_path)
 
 
 @pytest.mark.slow
