@@ -1,11 +1,12 @@
 """The ``rolloutstore`` command line: create, fill, inspect and maintain a store.
 
 rolloutstore init STORE [--embedding-dim 64]
-rolloutstore ingest STORE FILE... [--map SRC=DEST]
+rolloutstore ingest STORE FILE... [--map SRC=DEST] [--on-duplicate error|skip]
 rolloutstore sql STORE "SELECT ..." [--param V ...] [--format table|csv|json|parquet] [--out F]
 rolloutstore stats STORE [--json]
 rolloutstore versions STORE
 rolloutstore compact STORE [--cleanup-older-than-hours H]
+rolloutstore gc STORE [--min-age-hours 1] [--exports DIR ...] [--dry-run]
 rolloutstore evict STORE (--keep N | --older-than-hours H | --min-policy-version V)
 rolloutstore evict STORE --keep N --preserve-diversity [--reserve F] [--clusters K]
 rolloutstore rescore STORE --task NAME [--task-option K=V] [--where EXPR --param V]
@@ -110,16 +111,24 @@ def cmd_init(a) -> None:
 
 
 def cmd_ingest(a) -> None:
-    from .ingest import ingest_file
+    from .ingest import ingest_files
 
-    store = _store(a.store, create=True)
+    def report(r) -> None:
+        skipped = f", {r.skipped} skipped as duplicates" if r.skipped else ""
+        print(f"{r.path}: {r.rows} rollouts{skipped} (store version {r.version})")
+
     rename = dict(m.split("=", 1) for m in a.map)
-    total = 0
-    for f in a.files:
-        r = ingest_file(store, f, rename=rename, progress=not a.quiet)
-        total += r.rows
-        print(f"{f}: {r.rows} rollouts (store version {r.version})")
-    print(f"ingested {total} rollouts into {store.uri}; store has {store.count()}")
+    store, results = ingest_files(
+        a.store,
+        a.files,
+        rename=rename,
+        progress=not a.quiet,
+        on_duplicate=a.on_duplicate,
+        on_result=report,
+    )
+    total, skipped = sum(r.rows for r in results), sum(r.skipped for r in results)
+    dup = f" ({skipped} skipped: rollout_id already stored)" if skipped else ""
+    print(f"ingested {total} rollouts{dup} into {store.uri}; store has {store.count()}")
 
 
 def cmd_sql(a) -> None:
@@ -226,6 +235,16 @@ def cmd_compact(a) -> None:
     print(json.dumps(store.compact(cleanup_older_than=older), indent=2))
 
 
+def cmd_gc(a) -> None:
+    store = _store(a.store)
+    r = store.gc(min_age=timedelta(hours=a.min_age_hours), exports=a.exports, dry_run=a.dry_run)
+    verb = "would remove" if a.dry_run else "removed"
+    print(
+        f"{verb} {len(r.removed)} unreferenced files ({r.bytes_removed} bytes); kept "
+        f"{r.kept_young} younger than {a.min_age_hours} h; {r.versions_checked} versions checked"
+    )
+
+
 def cmd_evict(a) -> None:
     import dataclasses
 
@@ -328,6 +347,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("files", nargs="+")
     p.add_argument("--map", action="append", default=[], metavar="SRC=DEST", help="rename a field")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--on-duplicate",
+        choices=["error", "skip"],
+        default="error",
+        help="a rollout_id already stored: refuse the file (error) or leave the row out (skip)",
+    )
     p.set_defaults(func=cmd_ingest)
 
     p = sub.add_parser("sql", help="run a DuckDB query over views rollouts, usage, groups")
@@ -400,6 +425,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("store")
     p.add_argument("--cleanup-older-than-hours", type=float, default=None)
     p.set_defaults(func=cmd_compact)
+
+    p = sub.add_parser("gc", help="remove files killed appends/exports left that no version uses")
+    p.add_argument("store")
+    p.add_argument("--min-age-hours", type=float, default=1.0, help="only files older than this")
+    p.add_argument("--exports", nargs="*", default=[], metavar="DIR", help="export folders")
+    p.add_argument("--dry-run", action="store_true", help="list, remove nothing")
+    p.set_defaults(func=cmd_gc)
 
     p = sub.add_parser("evict", help="delete rows by an explicit retention rule")
     p.add_argument("store")

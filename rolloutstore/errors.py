@@ -53,3 +53,31 @@ class ReadOnlyError(RolloutStoreError, PermissionError):
 
 class QueryError(RolloutStoreError, ValueError):
     """A SQL query failed or is not allowed."""
+
+
+class DiskFullError(RolloutStoreError, OSError):
+    """The disk filled up during a write; the store is intact at its previous version."""
+
+    def __init__(self, what: str, uri: str):
+        super().__init__(
+            f"{what} into {uri!r} needs more disk space than is free (no space left on "
+            "device); the store is intact at its previous version and nothing of this write "
+            "was committed; free disk space (e.g. `rolloutstore gc`, "
+            "`rolloutstore compact --cleanup-older-than-hours H`) and retry"
+        )
+
+
+class CorruptStoreError(RolloutStoreError, OSError):
+    """The newest version of a store cannot be read (a torn manifest)."""
+
+
+class FileUnreadableError(IngestError):
+    """An input file cannot be read to its end (truncated, corrupt, not the format its
+    name says, not a file). Nothing of it was written."""
+
+    def __init__(self, path: str, expected: str, found: str, fix: str):
+        Exception.__init__(
+            self,
+            f"{path}: expected {expected}, found {found}; {fix}. Nothing of this file was written.",
+        )
+        self.row, self.field, self.reason, self.path = None, None, found, path

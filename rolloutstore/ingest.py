@@ -3,24 +3,30 @@
 A file is streamed in chunks; each chunk is validated and written as uncommitted
 Lance fragments, and the file commits once at the end. A bad row anywhere in the
 file raises :class:`IngestError` naming ``file:line`` (or the Parquet row) and the
-field, and nothing of that file is committed.
+field, and nothing of that file is committed. A file that cannot be read to its end
+(truncated or corrupt zstd/Parquet, invalid UTF-8, not a file, unknown extension)
+raises :class:`FileUnreadableError`: a file commits only once its last byte was read.
+
+    rolloutstore ingest STORE a.jsonl b.jsonl.zst c.parquet [--on-duplicate skip]
 """
 
 from __future__ import annotations
 
-import io
 import json
 import os
-from collections.abc import Callable, Iterator, Mapping
+import shutil
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .errors import IngestError, ValidationError
-from .store import AppendResult, RolloutStore
+from .errors import FileUnreadableError, IngestError, ValidationError
+from .store import AppendResult, OnDuplicate, RolloutStore
 
 CHUNK_ROWS = 4096
+READ_BYTES = 1 << 20
+FORMATS = ".jsonl, .json, .ndjson (optionally .zst) or .parquet, .pq"
 
 
 @dataclass(frozen=True)
@@ -28,6 +34,7 @@ class IngestResult:
     path: str
     rows: int
     version: int
+    skipped: int = 0  # rows left out as duplicates (on_duplicate="skip")
 
 
 def _format(path: str) -> str:
@@ -38,54 +45,145 @@ def _format(path: str) -> str:
         return "jsonl"
     if p.endswith((".parquet", ".pq")):
         return "parquet"
-    raise ValueError(f"{path}: unknown format; expected .jsonl, .jsonl.zst or .parquet")
+    raise FileUnreadableError(
+        path, f"a file named {FORMATS}", "an unknown extension", "rename it or convert it"
+    )
 
 
-def _open_text(path: str, fmt: str) -> io.TextIOBase:
-    if fmt == "jsonl.zst":
-        import zstandard
+def check_file(path: str) -> str:
+    """The file's format; refuses a missing path, a directory or an unknown extension."""
+    if os.path.isdir(path):
+        raise FileUnreadableError(path, "a file", "a directory", "pass the files inside it")
+    if not os.path.isfile(path):
+        raise FileUnreadableError(path, "a file", "nothing at that path", "check the path")
+    return _format(path)
 
-        raw = open(path, "rb")  # noqa: SIM115 - closed by the TextIOWrapper
-        return io.TextIOWrapper(zstandard.ZstdDecompressor().stream_reader(raw), encoding="utf-8")
-    return open(path, encoding="utf-8")  # noqa: SIM115
+
+def _zstd_bytes(path: str) -> Iterator[bytes]:
+    """Decompressed bytes of every zstd frame in ``path``; refuses a stream cut short."""
+    import zstandard
+
+    dctx = zstandard.ZstdDecompressor()
+    obj, fed, total = dctx.decompressobj(), False, 0
+    with open(path, "rb") as f:
+        while raw := f.read(READ_BYTES):
+            total += len(raw)
+            while raw:
+                try:
+                    out = obj.decompress(raw)
+                except zstandard.ZstdError as exc:
+                    raise FileUnreadableError(
+                        path,
+                        "zstd-compressed JSONL",
+                        f"data that is not zstd ({exc})",
+                        "compress it with `zstd` or drop the .zst suffix",
+                    ) from exc
+                fed = True
+                if out:
+                    yield out
+                if obj.eof:  # a frame ended; another may follow (concatenated frames)
+                    raw, obj, fed = obj.unused_data, dctx.decompressobj(), False
+                else:
+                    raw = b""
+    if total == 0 or fed:
+        found = "an empty file" if total == 0 else f"a zstd stream cut short after {total} bytes"
+        raise FileUnreadableError(
+            path, "a complete zstd stream", found, "re-copy or re-export the file"
+        )
+
+
+def _plain_bytes(path: str) -> Iterator[bytes]:
+    with open(path, "rb") as f:
+        while raw := f.read(READ_BYTES):
+            yield raw
+
+
+def _lines(path: str, fmt: str) -> Iterator[tuple[int, str]]:
+    """(line number, text) of every line, decoded strictly as UTF-8."""
+    rest, lineno = b"", 0
+    source = _zstd_bytes(path) if fmt == "jsonl.zst" else _plain_bytes(path)
+    for block in source:
+        parts = (rest + block).split(b"\n")
+        rest = parts.pop()
+        for raw in parts:
+            lineno += 1
+            yield lineno, _decode(path, lineno, raw)
+    if rest:
+        yield lineno + 1, _decode(path, lineno + 1, rest)
+
+
+def _decode(path: str, lineno: int, raw: bytes) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise IngestError(
+            path,
+            str(lineno),
+            ValidationError(
+                f"expected UTF-8 text, found byte {raw[exc.start]:#04x} at column {exc.start + 1}"
+                " (invalid UTF-8); re-encode the file as UTF-8"
+            ),
+        ) from exc
 
 
 def _jsonl_chunks(
     path: str, fmt: str, lines: list[int], rename: Mapping[str, str], on_bytes: Callable
 ) -> Iterator[list[dict]]:
     chunk: list[dict] = []
-    with _open_text(path, fmt) as f:
-        for lineno, line in enumerate(f, start=1):
-            on_bytes(len(line))
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except ValueError as exc:
-                raise IngestError(
-                    path, str(lineno), ValidationError(f"invalid JSON: {exc}")
-                ) from exc
-            if not isinstance(row, dict):
-                raise IngestError(path, str(lineno), ValidationError("expected a JSON object"))
-            if rename:
-                row = {rename.get(k, k): v for k, v in row.items()}
-            chunk.append(row)
-            lines.append(lineno)
-            if len(chunk) >= CHUNK_ROWS:
-                yield chunk
-                chunk = []
+    for lineno, line in _lines(path, fmt):
+        on_bytes(len(line) + 1)
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as exc:
+            raise IngestError(path, str(lineno), ValidationError(f"invalid JSON: {exc}")) from exc
+        if not isinstance(row, dict):
+            raise IngestError(path, str(lineno), ValidationError("expected a JSON object"))
+        if rename:
+            row = {rename.get(k, k): v for k, v in row.items()}
+        chunk.append(row)
+        lines.append(lineno)
+        if len(chunk) >= CHUNK_ROWS:
+            yield chunk
+            chunk = []
     if chunk:
         yield chunk
 
 
 def _parquet_chunks(path: str, rename: Mapping[str, str], on_bytes: Callable) -> Iterator[pa.Table]:
-    pf = pq.ParquetFile(path)
-    for batch in pf.iter_batches(batch_size=CHUNK_ROWS):
+    def refuse(exc: Exception) -> FileUnreadableError:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        return FileUnreadableError(
+            path,
+            "a complete Parquet file",
+            f"one that cannot be read ({first})",
+            "re-copy or re-export the file",
+        )
+
+    try:
+        pf = pq.ParquetFile(path)
+        expected = pf.metadata.num_rows
+    except (pa.ArrowException, OSError) as exc:
+        raise refuse(exc) from exc
+    batches, got = pf.iter_batches(batch_size=CHUNK_ROWS), 0
+    while True:
+        try:
+            batch = next(batches, None)
+        except (pa.ArrowException, OSError) as exc:
+            raise refuse(exc) from exc
+        if batch is None:
+            break
+        got += batch.num_rows
         on_bytes(batch.nbytes)
         t = pa.Table.from_batches([batch])
         if rename:
             t = t.rename_columns([rename.get(n, n) for n in t.column_names])
         yield t
+    if got != expected:
+        raise FileUnreadableError(
+            path, f"{expected} rows (its footer)", f"{got}", "re-copy or re-export the file"
+        )
 
 
 def ingest_file(
@@ -94,17 +192,21 @@ def ingest_file(
     *,
     rename: Mapping[str, str] | None = None,
     progress: bool = True,
+    on_duplicate: OnDuplicate = "error",
 ) -> IngestResult:
-    """Append every row of one file atomically; see the module docstring."""
+    """Append every row of one file atomically; see the module docstring.
+
+    ``on_duplicate="skip"`` leaves out rows whose rollout_id is already stored, so
+    ingesting the same file twice is a no-op the second time.
+    """
     from tqdm.auto import tqdm
 
     path = os.fspath(path)
-    fmt = _format(path)
+    fmt = check_file(path)
     rename = dict(rename or {})
-    size = os.path.getsize(path)
     lines: list[int] = []
     with tqdm(
-        total=size if fmt == "jsonl" else None,
+        total=os.path.getsize(path) if fmt == "jsonl" else None,
         unit="B",
         unit_scale=True,
         desc=os.path.basename(path),
@@ -117,7 +219,7 @@ def ingest_file(
             else _jsonl_chunks(path, fmt, lines, rename, bar.update)
         )
         try:
-            result: AppendResult = store.append(chunks)
+            result: AppendResult = store.append(chunks, on_duplicate=on_duplicate)
         except IngestError:
             raise
         except ValidationError as exc:
@@ -128,4 +230,47 @@ def ingest_file(
             else:
                 where = str(lines[exc.row])
             raise IngestError(path, where, exc) from exc
-    return IngestResult(path, result.rows, result.version)
+    return IngestResult(path, result.rows, result.version, result.skipped)
+
+
+def ingest_files(
+    uri: str | os.PathLike,
+    paths: Sequence[str | os.PathLike],
+    *,
+    rename: Mapping[str, str] | None = None,
+    progress: bool = True,
+    on_duplicate: OnDuplicate = "error",
+    on_result: Callable[[IngestResult], None] | None = None,
+) -> tuple[RolloutStore, list[IngestResult]]:
+    """Ingest ``paths`` in order into the store at ``uri`` (created if missing), one commit
+    per file. Every path is checked (a file, a known extension) before anything is
+    created; a store this call created is removed again if no file committed."""
+    for p in paths:
+        check_file(os.fspath(p))
+    uri = os.fspath(uri)
+    local = "://" not in uri or uri.startswith("file://")
+    folder = uri.removeprefix("file://")
+    # What this call creates (the folder, or the datasets in an existing empty folder).
+    created = [
+        p
+        for p in (
+            folder,
+            os.path.join(folder, "rollouts.lance"),
+            os.path.join(folder, "usage.lance"),
+        )
+        if local and not os.path.exists(p)
+    ]
+    store = RolloutStore.open(uri, create=True)
+    results: list[IngestResult] = []
+    try:
+        for p in paths:
+            r = ingest_file(store, p, rename=rename, progress=progress, on_duplicate=on_duplicate)
+            results.append(r)
+            if on_result is not None:
+                on_result(r)
+    except BaseException:
+        if created and not any(r.rows for r in results) and store.count() == 0:
+            for p in created[:1] if created[0] == folder else created:
+                shutil.rmtree(p, ignore_errors=True)
+        raise
+    return store, results

@@ -20,7 +20,11 @@ from .errors import SchemaError, SchemaVersionError
 
 SCHEMA_VERSION = 1
 DEFAULT_EMBEDDING_DIM = 64
-SCHEMA_DIR = Path(__file__).resolve().parent.parent / "schemas"
+# The JSON lives in the repo's top-level schemas/ and is installed as rolloutstore/schemas/
+# (package data, pyproject's package-dir). A source checkout (PYTHONPATH, editable
+# install) reads the top-level folder; an installed wheel reads the packaged copy.
+PACKAGE_SCHEMA_DIR = Path(__file__).resolve().parent / "schemas"
+SOURCE_SCHEMA_DIR = Path(__file__).resolve().parent.parent / "schemas"
 
 META_VERSION = b"rolloutstore.schema_version"
 META_EMBEDDING_DIM = b"rolloutstore.embedding_dim"
@@ -50,10 +54,25 @@ class ColumnSpec:
 @functools.cache
 def spec(version: int = SCHEMA_VERSION) -> dict:
     """The parsed JSON specification of ``version``."""
-    path = SCHEMA_DIR / f"rollout.v{version}.json"
-    if not path.exists():
-        raise SchemaVersionError(f"no schema file for version {version} at {path}")
+    name = f"rollout.v{version}.json"
+    path = schema_dir() / name
+    if not path.is_file():
+        raise SchemaVersionError(
+            f"expected the schema file for version {version} at {path}, found none; "
+            "reinstall rolloutstore (the wheel ships it as package data)"
+        )
     return json.loads(path.read_text())
+
+
+def schema_dir() -> Path:
+    """The folder holding ``rollout.v*.json``: packaged copy if installed, else the repo's."""
+    marker = f"rollout.v{SCHEMA_VERSION}.json"
+    if (PACKAGE_SCHEMA_DIR / marker).is_file():
+        return PACKAGE_SCHEMA_DIR
+    return SOURCE_SCHEMA_DIR
+
+
+SCHEMA_DIR = schema_dir()
 
 
 def columns(version: int = SCHEMA_VERSION) -> tuple[ColumnSpec, ...]:

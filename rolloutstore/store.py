@@ -21,7 +21,9 @@ storage options) and reopens its datasets after a fork.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -34,12 +36,16 @@ from lance.fragment import write_fragments
 
 from . import schema as S
 from .errors import (
+    CorruptStoreError,
+    DiskFullError,
     ReadOnlyError,
     SchemaError,
     StoreNotFoundError,
     ValidationError,
 )
+from .gc import DEFAULT_MIN_AGE, GcResult, collect_dataset, collect_export_temps, merge
 from .retention import RetentionConfig, RetentionReport
+from .unique import IdCheck, OnDuplicate, gives_ids
 from .validate import prepare
 
 ROLLOUTS = "rollouts.lance"
@@ -53,6 +59,7 @@ REWARDS = "rewards.lance"
 class AppendResult:
     rows: int
     version: int
+    skipped: int = 0  # rows left out by on_duplicate="skip"
 
 
 @dataclass(frozen=True)
@@ -97,7 +104,13 @@ class RolloutStore:
         self._pinned = version
         self._pid = os.getpid()
         self._ds_cache: lance.LanceDataset | None = None
-        ds = self._rollouts()
+        self._torn: tuple[int, int] | None = None  # (unreadable newest version, fallback)
+        try:
+            ds = self._rollouts()
+        except (OSError, ValueError, RuntimeError) as exc:
+            if version is not None or not _is_local(self.uri):
+                raise
+            ds = self._fall_back(exc)
         _, self.embedding_dim = S.read_metadata(ds.schema)
         self.schema = S.rollout_schema(self.embedding_dim)
 
@@ -157,6 +170,54 @@ class RolloutStore:
                 if not _exists(target, storage_options):
                     raise StoreNotFoundError(f"could not create {target!r}: {exc}") from exc
 
+    def _fall_back(self, exc: Exception) -> lance.LanceDataset:
+        """The newest version of rollouts cannot be opened (a torn manifest): open the newest
+        one that can, read-only, with one warning naming both."""
+        folder = os.path.join(self.uri.removeprefix("file://"), ROLLOUTS, "_versions")
+        versions = sorted(_manifest_versions(folder), reverse=True)
+        for v in versions[1:]:
+            try:
+                ds = self._open_ds(ROLLOUTS, v)
+            except (OSError, ValueError, RuntimeError):
+                continue
+            bad = versions[0]
+            self._pinned, self._ds_cache, self._torn = v, ds, (bad, v)
+            warnings.warn(
+                f"store {self.uri!r}: version {bad} of {ROLLOUTS} is unreadable "
+                f"({str(exc).splitlines()[0]}); opened version {v} read-only instead. Writes "
+                "are refused until it is repaired (RolloutStore.repair(), after checking "
+                "the disk)",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            return ds
+        raise CorruptStoreError(
+            f"no readable version of {_join(self.uri, ROLLOUTS)!r}: expected a manifest Lance "
+            f"can open, found {len(versions)} that fail ({str(exc).splitlines()[0]}); restore "
+            "the store from a copy"
+        ) from exc
+
+    def repair(self) -> int | None:
+        """Move unreadable manifests newer than the last good version aside (into
+        ``rollouts.lance/_torn/``), so the store opens writable again at that version.
+
+        Returns the version the store is now at, or None if nothing was torn.
+        """
+        if self._torn is None:
+            return None
+        bad_from, good = self._torn
+        folder = os.path.join(self.uri.removeprefix("file://"), ROLLOUTS)
+        aside = os.path.join(folder, "_torn")
+        os.makedirs(aside, exist_ok=True)
+        for v, name in _manifest_versions(os.path.join(folder, "_versions")).items():
+            if v > good:
+                os.replace(os.path.join(folder, "_versions", name), os.path.join(aside, name))
+        hint = os.path.join(folder, "_versions", "latest_version_hint.json")
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(hint)
+        self._pinned, self._torn, self._ds_cache = None, None, None
+        return self.version
+
     def __reduce__(self):
         return (_reopen, (self.uri, self._pinned, self.storage_options))
 
@@ -215,52 +276,98 @@ class RolloutStore:
 
     # -- writing -------------------------------------------------------------------------
     def _check_writable(self) -> None:
+        if self._torn is not None:
+            bad, good = self._torn
+            raise ReadOnlyError(
+                f"store {self.uri!r} opened read-only at version {good}: its newest version "
+                f"{bad} is unreadable (torn manifest); expected a readable newest version, "
+                "found a damaged one; check the disk, then call RolloutStore.repair()"
+            )
         if self._pinned is not None:
             raise ReadOnlyError(
                 f"store snapshot at version {self._pinned} is read-only; write through "
                 "RolloutStore.open(uri)"
             )
 
-    def append(self, data) -> AppendResult:
+    def append(self, data, *, on_duplicate: OnDuplicate = "error") -> AppendResult:
         """Validate and append rollouts atomically: all of ``data`` commits, or nothing.
 
         ``data``: a ``pyarrow.Table``/``RecordBatch``, a list of dicts, or an
         iterable of tables/record batches (streamed to fragments, then one commit).
         Raises :class:`ValidationError` naming the row and field; rows are counted
-        across the whole input.
+        across the whole input. A ``rollout_id`` given twice in ``data`` or already in
+        the store is refused (``on_duplicate="error"``) or that row is left out
+        (``"skip"``; the result counts it in ``skipped``).
         """
         self._check_writable()
-        chunks = _chunks(data)
+        if on_duplicate not in ("error", "skip"):
+            raise ValueError(f"on_duplicate must be 'error' or 'skip', got {on_duplicate!r}")
         target = _join(self.uri, ROLLOUTS)
         read_version = self._rollouts().version
-        fragments, rows = [], 0
-        for chunk in chunks:
-            try:
-                table = prepare(chunk, self.schema)
-            except ValidationError as exc:
-                if rows and exc.row is not None:
-                    raise ValidationError(exc.reason, row=rows + exc.row, field=exc.field) from exc
-                raise
-            if table.num_rows == 0:
-                continue
-            fragments += write_fragments(
-                table,
+        ids = IdCheck(lambda: self._open_ds(ROLLOUTS), on_duplicate)
+        fragments: list = []
+        rows = seen = 0
+        committing = False
+        try:
+            for chunk in _chunks(data):
+                given = gives_ids(chunk)
+                try:
+                    table = prepare(chunk, self.schema, unique_ids=False)
+                    table = ids.filter(table, given)
+                except ValidationError as exc:
+                    if seen and exc.row is not None:
+                        raise ValidationError(
+                            exc.reason, row=seen + exc.row, field=exc.field
+                        ) from exc
+                    raise
+                seen += ids.last_rows
+                if table.num_rows == 0:
+                    continue
+                fragments += write_fragments(
+                    table,
+                    target,
+                    schema=self.schema,
+                    storage_options=self.storage_options,
+                    max_rows_per_file=1 << 20,
+                )
+                rows += table.num_rows
+            if not fragments:
+                return AppendResult(0, read_version, ids.skipped)
+            committing = True
+            ds = lance.LanceDataset.commit(
                 target,
-                schema=self.schema,
+                lance.LanceOperation.Append(fragments),
+                read_version=read_version,
                 storage_options=self.storage_options,
-                max_rows_per_file=1 << 20,
             )
-            rows += table.num_rows
-        if not fragments:
-            return AppendResult(0, read_version)
-        ds = lance.LanceDataset.commit(
-            target,
-            lance.LanceOperation.Append(fragments),
-            read_version=read_version,
-            storage_options=self.storage_options,
-        )
+        except BaseException as exc:
+            # Uncommitted fragments are invisible but take disk; drop them now (gc() catches
+            # what a killed process leaves) -- unless a failed commit got far enough to
+            # reference them.
+            if not (committing and self._references_any(fragments)):
+                self._discard(fragments)
+            if isinstance(exc, OSError) and _disk_full(exc):
+                raise DiskFullError(f"append of {seen} rows", self.uri) from exc
+            raise
         self._ds_cache = ds
-        return AppendResult(rows, ds.version)
+        return AppendResult(rows, ds.version, ids.skipped)
+
+    def _references_any(self, fragments: list) -> bool:
+        ours = {f.path for frag in fragments for f in frag.files}
+        try:
+            latest = self._open_ds(ROLLOUTS)
+            return any(f.path in ours for fr in latest.get_fragments() for f in fr.metadata.files)
+        except (OSError, ValueError, RuntimeError):
+            return True  # cannot tell: keep the files (gc collects them if unreferenced)
+
+    def _discard(self, fragments: list) -> None:
+        if not _is_local(self.uri):
+            return
+        data = os.path.join(self.uri.removeprefix("file://"), ROLLOUTS, "data")
+        for frag in fragments:
+            for f in frag.files:
+                with contextlib.suppress(OSError):
+                    os.remove(os.path.join(data, f.path))
 
     def record_usage(
         self, rollout_ids: Sequence[str], learner_step: int, run_id: str = "default"
@@ -304,7 +411,12 @@ class RolloutStore:
         out = {}
         for name in (ROLLOUTS, USAGE):
             ds = self._open_ds(name)
-            metrics = ds.optimize.compact_files()
+            try:
+                metrics = ds.optimize.compact_files()
+            except OSError as exc:
+                if _disk_full(exc):
+                    raise DiskFullError(f"compaction of {name}", self.uri) from exc
+                raise
             out[name.split(".")[0]] = {
                 "fragments_removed": metrics.fragments_removed,
                 "fragments_added": metrics.fragments_added,
@@ -314,6 +426,32 @@ class RolloutStore:
                 out[name.split(".")[0]]["bytes_removed"] = stats.bytes_removed
         self._ds_cache = None
         return out
+
+    def gc(
+        self,
+        *,
+        min_age: timedelta = DEFAULT_MIN_AGE,
+        exports: Sequence[str | os.PathLike] = (),
+        dry_run: bool = False,
+    ) -> GcResult:
+        """Remove data files no retained version references (left by killed appends) that are
+        older than ``min_age``, and killed exports' ``.OUT.tmp-PID`` files in ``exports``.
+
+        Safe with concurrent readers and appenders; see :mod:`rolloutstore.gc`.
+        """
+        self._check_writable()
+        if not _is_local(self.uri):
+            raise ValueError(
+                f"gc works on local stores; {self.uri!r} is an object store: expire "
+                "unreferenced data/ files with a bucket lifecycle rule instead"
+            )
+        results = [
+            collect_dataset(self._open_ds(name), min_age=min_age, dry_run=dry_run)
+            for name in (ROLLOUTS, USAGE, REWARDS, LINEAGE)
+            if _exists(_join(self.uri, name), self.storage_options)
+        ]
+        results.append(collect_export_temps(exports, min_age=min_age, dry_run=dry_run))
+        return merge(results)
 
     def evict(
         self,
@@ -537,6 +675,24 @@ class RolloutStore:
         for d, _, files in os.walk(os.path.join(root, ROLLOUTS)):
             total += sum(os.path.getsize(os.path.join(d, f)) for f in files)
         return total
+
+
+def _manifest_versions(folder: str) -> dict[int, str]:
+    """Version -> manifest file name in a local ``_versions`` folder (either naming scheme:
+    V2 names a version ``2**64 - 1 - v``, V1 names it ``v``)."""
+    out = {}
+    for name in os.listdir(folder):
+        stem, dot, ext = name.partition(".")
+        if ext != "manifest" or not stem.isdigit():
+            continue
+        n = int(stem)
+        out[(2**64 - 1 - n) if n > 2**63 else n] = name
+    return out
+
+
+def _disk_full(exc: OSError) -> bool:
+    # Lance reports I/O errors from Rust as OSError without errno: match its text too.
+    return exc.errno == errno.ENOSPC or "os error 28" in str(exc) or "No space left" in str(exc)
 
 
 def _chunks(data) -> Iterable:

@@ -29,40 +29,98 @@ def _first_true(mask: np.ndarray) -> int | None:
 
 
 def _to_array(values: list, name: str, type_: pa.DataType) -> pa.Array:
-    if pa.types.is_timestamp(type_) and any(isinstance(v, str) for v in values):
-        # JSON carries timestamps as ISO-8601 strings.
-        return _cast(_to_array(values, name, pa.string()), name, type_)
+    """A Python column as ``type_``: Arrow infers the values' own type first, then a
+    strict cast (:func:`_cast`) refuses truncation and kind changes, naming the row."""
     try:
-        return pa.array(values, type=type_)
+        arr = pa.array(values)
     except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError, OverflowError) as exc:
         for i, v in enumerate(values):
             try:
-                pa.array([v], type=type_)
+                pa.array([v])
             except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError, OverflowError):
                 raise ValidationError(
                     f"expected {type_}, found {type(v).__name__} {_short(v)}", row=i, field=name
                 ) from exc
-        raise ValidationError(f"cannot convert to {type_}: {exc}", field=name) from exc
+        # Each value converts alone but not together: mixed kinds in one column.
+        _find_bad_row(values, name, type_)
+        raise ValidationError(f"expected {type_}, found mixed types: {exc}", field=name) from exc
+    return _cast(arr, name, type_, values)
 
 
-def _cast(col: pa.ChunkedArray | pa.Array, name: str, type_: pa.DataType) -> pa.Array:
+def _find_bad_row(values: list, name: str, type_: pa.DataType) -> None:
+    for i, v in enumerate(values):
+        try:
+            _cast(pa.array([v]), name, type_, [v])
+        except ValidationError as exc:
+            raise ValidationError(exc.reason, row=i, field=name) from None
+    first = next((type(v).__name__ for v in values if v is not None), "nothing")
+    for i, v in enumerate(values):
+        if type(v).__name__ != first and v is not None:
+            raise ValidationError(
+                f"expected {type_}, found {type(v).__name__} {_short(v)} in a column of {first}",
+                row=i,
+                field=name,
+            )
+
+
+def _leaf(t: pa.DataType) -> pa.DataType:
+    while pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
+        t = t.value_type
+    return t
+
+
+def _compatible(src: pa.DataType, dst: pa.DataType) -> bool:
+    """Whether values of ``src`` may become ``dst`` at all (a strict cast then checks values).
+
+    Integers accept floats only when exactly integral (2.0 -> 2; 1.5 refused by the safe
+    cast); booleans are never numbers; a string is never a list; timestamps accept
+    ISO-8601 strings (JSON carries them so).
+    """
+    if pa.types.is_null(src) or src == dst:
+        return True
+    listy = (pa.types.is_list, pa.types.is_large_list, pa.types.is_fixed_size_list)
+    if any(f(dst) for f in listy):
+        return any(f(src) for f in listy) and _compatible(src.value_type, dst.value_type)
+    if pa.types.is_integer(dst) or pa.types.is_floating(dst):
+        return pa.types.is_integer(src) or pa.types.is_floating(src)
+    if pa.types.is_string(dst) or pa.types.is_large_string(dst):
+        return pa.types.is_string(src) or pa.types.is_large_string(src)
+    if pa.types.is_timestamp(dst):
+        return pa.types.is_timestamp(src) or pa.types.is_string(src)
+    return False
+
+
+def _cast(
+    col: pa.ChunkedArray | pa.Array, name: str, type_: pa.DataType, values: list | None = None
+) -> pa.Array:
     if isinstance(col, pa.ChunkedArray):
         col = col.combine_chunks()
     if col.type == type_:
         return col
+    if not _compatible(col.type, type_):
+        valid = np.flatnonzero(~col.is_null().to_numpy(zero_copy_only=False))
+        row = int(valid[0]) if valid.size else 0
+        v = values[row] if values is not None else col[row].as_py()
+        shown = type(v).__name__ if values is not None else str(col.type)
+        raise ValidationError(f"expected {type_}, found {shown} {_short(v)}", row=row, field=name)
+    # Int -> float may lose precision but never truncates; every other cast is checked.
+    safe = not pa.types.is_floating(_leaf(type_))
     try:
-        return col.cast(type_)
+        return col.cast(type_, safe=safe)
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as exc:
         for i in range(len(col)):
             try:
-                col.slice(i, 1).cast(type_)
-            except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError):
+                col.take([i]).cast(type_, safe=safe)  # take: a slice keeps all values
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as one:
+                v = values[i] if values is not None else col[i].as_py()
                 raise ValidationError(
-                    f"expected {type_}, found {col.type} value {_short(col[i].as_py())}",
-                    row=i,
-                    field=name,
+                    f"expected {type_}, found {_short(v)} ({_reason(one)})", row=i, field=name
                 ) from exc
         raise ValidationError(f"expected {type_}, found {col.type}", field=name) from exc
+
+
+def _reason(exc: Exception) -> str:
+    return str(exc).splitlines()[0][:120]
 
 
 def _short(v) -> str:
@@ -151,7 +209,7 @@ def _check_values(col: pa.Array, name: str, bad_values, what: str) -> None:
         raise ValidationError(f"{what}; found {value!r} at position {pos}", row=row, field=name)
 
 
-def _check_invariants(t: pa.Table) -> None:
+def _check_invariants(t: pa.Table, unique_ids: bool) -> None:
     comp = _list_lengths(t["completion_ids"])
     lp = _list_lengths(t["behavior_logprobs"])
     row = _first_true(comp != lp)
@@ -163,6 +221,17 @@ def _check_invariants(t: pa.Table) -> None:
             field="behavior_logprobs",
         )
     for name in ("prompt_ids", "completion_ids"):
+        # Schema rule (see rollout.v1.json): a trainable row has >= 1 prompt token (the
+        # first completion token is scored from the last prompt position) and >= 1
+        # completion token. A generation that produced nothing has nothing to train on.
+        row = _first_true(_list_lengths(t[name]) == 0)
+        if row is not None:
+            raise ValidationError(
+                "expected at least one token, found an empty list; drop rows whose "
+                "generation produced no tokens before appending",
+                row=row,
+                field=name,
+            )
         _check_values(t[name], name, lambda v: v < 0, "token ids must be non-negative")
     _check_values(
         t["behavior_logprobs"],
@@ -187,7 +256,7 @@ def _check_invariants(t: pa.Table) -> None:
         if row is not None:
             raise ValidationError("must be >= 0", row=row, field="sample_index")
     ids = t["rollout_id"]
-    if pc.count_distinct(ids).as_py() != len(ids):
+    if unique_ids and pc.count_distinct(ids).as_py() != len(ids):
         counts = pc.value_counts(ids)
         dup = counts.filter(pc.greater(counts.field("counts"), 1))[0]["values"].as_py()
         row = ids.to_pylist().index(dup)
@@ -205,8 +274,14 @@ def _check_invariants(t: pa.Table) -> None:
                     ) from exc
 
 
-def prepare(data, schema: pa.Schema, *, now: datetime | None = None) -> pa.Table:
-    """Validate ``data`` and return it as a table of exactly ``schema`` with defaults filled."""
+def prepare(
+    data, schema: pa.Schema, *, now: datetime | None = None, unique_ids: bool = True
+) -> pa.Table:
+    """Validate ``data`` and return it as a table of exactly ``schema`` with defaults filled.
+
+    ``unique_ids=False`` leaves repeated rollout ids to the caller (the store checks them
+    across chunks and against stored rows).
+    """
     t = to_table(data, schema)
     n = t.num_rows
     cols = {name: t[name].combine_chunks() for name in t.column_names}
@@ -243,5 +318,5 @@ def prepare(data, schema: pa.Schema, *, now: datetime | None = None) -> pa.Table
     arrays = [cols[f.name] if f.name in cols else pa.nulls(n, type=f.type) for f in schema]
     table = pa.Table.from_arrays(arrays, schema=schema.remove_metadata())
     _check_required(table, schema)
-    _check_invariants(table)
+    _check_invariants(table, unique_ids)
     return table.replace_schema_metadata(schema.metadata)

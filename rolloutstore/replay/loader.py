@@ -83,7 +83,9 @@ def collate(rows: pa.Table, sel: Selection, idx: np.ndarray, *, pack: bool) -> d
     n = len(idx)
 
     # Flat destination of every token: row * width + column, prompts first, then completions.
-    width = int(lengths.sum()) if pack else int(lengths.max())
+    # At least one column, so that an empty shard (world_size > rows) or a row without
+    # tokens (stores from before append refused them) gives empty tensors, never a crash.
+    width = max(int(lengths.sum()) if pack else int(lengths.max(initial=0)), 1)
     starts = np.zeros(n, np.int64)
     if pack:
         np.cumsum(lengths[:-1], out=starts[1:])
@@ -103,13 +105,16 @@ def collate(rows: pa.Table, sel: Selection, idx: np.ndarray, *, pack: bool) -> d
     # in the (rows, width - 1) target grid, row r's flat offset is r * (width - 1).
     t_shift = c_shift - 1 - (0 if pack else np.arange(n))
     t_dst = np.arange(len(c_vals)) + np.repeat(t_shift, c_len)
+    # A completion token with no token before it (empty prompt) cannot be scored.
+    scored = ~(np.repeat(p_len == 0, c_len) & (_segment_index(c_len)[1] == 0))
+    t_dst, l_vals = t_dst[scored], l_vals[scored]
     size = rows_out * (width - 1)
     loss_mask = np.zeros(size, np.float32)
     blp = np.zeros(size, np.float32)
     adv_tok = np.zeros(size, np.float32)
     loss_mask[t_dst] = 1.0
     blp[t_dst] = l_vals
-    adv_tok[t_dst] = np.repeat(adv, c_len)
+    adv_tok[t_dst] = np.repeat(adv, c_len)[scored]
     shape, tshape = (rows_out, width), (rows_out, width - 1)
     out: dict[str, Any] = {
         "input_ids": torch.from_numpy(input_ids.reshape(shape)),
@@ -118,9 +123,12 @@ def collate(rows: pa.Table, sel: Selection, idx: np.ndarray, *, pack: bool) -> d
         "advantages": torch.from_numpy(adv_tok.reshape(tshape)),
     }
     if pack:
-        _, pos_all = _segment_index(lengths)
+        pos_all = np.zeros(width, np.int64)
+        pos_all[: int(lengths.sum())] = _segment_index(lengths)[1]
         out["position_ids"] = torch.from_numpy(pos_all.reshape(shape))
-        out["attention_mask"] = torch.from_numpy(np.ones(shape, np.int64))
+        out["attention_mask"] = torch.from_numpy(
+            (np.arange(width) < int(lengths.sum())).astype(np.int64).reshape(shape)
+        )
         cu = np.zeros(n + 1, np.int32)
         np.cumsum(lengths, out=cu[1:])
         out["cu_seqlens"] = torch.from_numpy(cu)
@@ -136,7 +144,7 @@ def collate(rows: pa.Table, sel: Selection, idx: np.ndarray, *, pack: bool) -> d
         rewards=torch.from_numpy(rewards),
         seq_advantages=torch.from_numpy(adv),
         num_tokens=int(lengths.sum()),
-        num_loss_tokens=int(c_len.sum()),
+        num_loss_tokens=len(t_dst),
         rollout_ids=[sel.rollout_ids[i] for i in idx],
         run_ids=[sel.run_ids[i] for i in idx],
         step=sel.step,
