@@ -207,6 +207,12 @@ def check_where(
         raise _refuse(
             what, text, "it changes the query around it (UNION, ORDER BY, FROM, an alias, ...)"
         )
+    # The same text in the place it will be spliced must parse to the same expression
+    # (e.g. ``ALL reward`` is a valid select list but no expression).
+    wrapped = _parse(f"SELECT 1 FROM rollouts WHERE ({text})")
+    inner = (wrapped.get("statements") or [{}])[0].get("node", {}).get("where_clause")
+    if wrapped.get("error") or len(wrapped["statements"]) != 1 or _shape(inner) != _shape(items[0]):
+        raise _refuse(what, text, "it does not read as the same expression inside WHERE (...)")
     params: list[str] = []
     _walk(items[0], text, what, None if columns is None else {c.lower() for c in columns}, set(),
           params)  # fmt: skip
@@ -216,6 +222,16 @@ def check_where(
             "given; pass one --param / params value per ?"
         )
     return text
+
+
+def _shape(node: Any) -> Any:
+    """A parse tree without source positions (which differ with the text around it)."""
+    if isinstance(node, dict):
+        skip = ("query_location", "query_location_length")
+        return {k: _shape(v) for k, v in node.items() if k not in skip}
+    if isinstance(node, list):
+        return [_shape(v) for v in node]
+    return node
 
 
 def _refuse(what: str, text: str, reason: str) -> QueryError:
