@@ -272,7 +272,16 @@ def cmd_sample(a) -> None:
     from .cliargs import dataclass_from_args
     from .replay import ReplayConfig, Selector
 
-    cfg = dataclass_from_args(ReplayConfig, a)
+    try:
+        cfg = dataclass_from_args(ReplayConfig, a)
+    except (ValueError, TypeError) as exc:  # ReplayConfig names the offending option
+        raise UsageError(str(exc)) from exc
+    if not a.explain:
+        if a.batch_size is None and a.max_tokens is None:
+            raise UsageError("sample needs --batch-size N or --max-tokens T")
+        for flag, v in (("--batch-size", a.batch_size), ("--max-tokens", a.max_tokens)):
+            if v is not None and v < 1:
+                raise UsageError(f"{flag} must be >= 1, got {v}")
     store = _store(a.store)
     sel = Selector(store, cfg, run_id=a.run_id, record_usage=a.record_usage)
     if a.explain:
