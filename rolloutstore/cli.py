@@ -3,30 +3,72 @@
 rolloutstore init STORE [--embedding-dim 64]
 rolloutstore ingest STORE FILE... [--map SRC=DEST] [--on-duplicate error|skip]
 rolloutstore sql STORE "SELECT ..." [--param V ...] [--format table|csv|json|parquet] [--out F]
+                 [--timeout S]
 rolloutstore stats STORE [--json]
 rolloutstore versions STORE
 rolloutstore compact STORE [--cleanup-older-than-hours H]
 rolloutstore gc STORE [--min-age-hours 1] [--exports DIR ...] [--dry-run]
 rolloutstore evict STORE (--keep N | --older-than-hours H | --min-policy-version V)
 rolloutstore evict STORE --keep N --preserve-diversity [--reserve F] [--clusters K]
-rolloutstore rescore STORE --task NAME [--task-option K=V] [--where EXPR --param V]
 rolloutstore schema
 rolloutstore demo [RUN_DIR]
+
+Other packages add commands through the ``rolloutstore.commands`` entry point (see
+rolloutstore.plugins); the trainer adds ``generate`` and ``rescore``.
+
+Errors: a user error (any RolloutStoreError, a bad argument, a missing file, or an
+error a plugin declares user-facing, or any exception class with ``user_facing = True``)
+prints one line ``error: ...`` to stderr and exits 2; ``--debug`` shows the traceback
+instead. Ctrl-C interrupts a running query at once and exits 130 (``error: interrupted``).
+A few ``evict`` option checks still exit 1 via SystemExit. Table output to a terminal
+escapes control characters (``\x1b`` is shown as the four characters ``\x1b``); files
+written with ``--out`` keep the stored text as is. Output paths inside a store are refused.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import time
+import warnings
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
 import pyarrow as pa
 
-from .errors import RolloutStoreError
+from .errors import RolloutStoreError, UsageError
+
+# Predicates saying an exception is a user error (one line, no traceback); plugins add theirs.
+_USER_ERRORS: list[Callable[[BaseException], bool]] = []
+
+
+def register_user_errors(*predicates: Callable[[BaseException], bool] | type) -> None:
+    """Declare more exceptions user-facing: exception classes, or ``exc -> bool`` predicates."""
+    for p in predicates:
+        if isinstance(p, type):
+            _USER_ERRORS.append(lambda exc, cls=p: isinstance(exc, cls))
+        else:
+            _USER_ERRORS.append(p)
+
+
+def is_user_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is the user's to fix (printed as one line) rather than a bug."""
+    if isinstance(exc, RolloutStoreError) or getattr(type(exc), "user_facing", False) is True:
+        return True
+    if isinstance(exc, OSError) and getattr(exc, "filename", None) is not None:
+        return True  # a path the user gave does not exist / is a folder / is not readable
+    return any(p(exc) for p in _USER_ERRORS)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises UsageError (one line in ``main``) instead of printing usage."""
+
+    def error(self, message: str):
+        raise UsageError(f"{self.prog}: {message} (see {self.prog} --help)")
 
 
 def _store(path: str, *, create: bool = False):
@@ -35,20 +77,46 @@ def _store(path: str, *, create: bool = False):
     return RolloutStore.open(path, create=create)
 
 
-def _cell(v) -> str:
+def escape_controls(s: str) -> str:
+    """``s`` with control characters (C0, DEL, C1, and bidi/format controls) shown as escapes,
+    so stored text cannot move the cursor, recolour or retitle the terminal."""
+    if s.isprintable():
+        return s
+    out = []
+    for ch in s:
+        if ch.isprintable() or ch == " ":
+            out.append(ch)
+        elif ch == "\n":
+            out.append("\\n")
+        elif ch == "\t":
+            out.append("\\t")
+        elif ch == "\r":
+            out.append("\\r")
+        else:
+            o = ord(ch)
+            out.append(
+                f"\\x{o:02x}" if o < 0x100 else f"\\u{o:04x}" if o < 0x10000 else f"\\U{o:08x}"
+            )
+    return "".join(out)
+
+
+def _cell(v, escape: bool = True) -> str:
     if isinstance(v, list):
-        head = ", ".join(_cell(x) for x in v[:4])
+        head = ", ".join(_cell(x, escape) for x in v[:4])
         return f"[{head}{', ...' if len(v) > 4 else ''}] ({len(v)})" if len(v) > 4 else f"[{head}]"
     if isinstance(v, float):
         return f"{v:.6g}"
     s = "NULL" if v is None else str(v)
+    if escape:
+        s = escape_controls(s)
     return s if len(s) <= 48 else s[:45] + "..."
 
 
-def format_table(table: pa.Table, max_rows: int = 50) -> str:
-    """A plain-text grid of the first ``max_rows`` rows."""
-    names = table.column_names
-    rows = [[_cell(v) for v in r.values()] for r in table.slice(0, max_rows).to_pylist()]
+def format_table(table: pa.Table, max_rows: int = 50, *, escape: bool = True) -> str:
+    """A plain-text grid of the first ``max_rows`` rows; ``escape``: control characters
+    (in cells and column names) as escapes, for a terminal."""
+    names = [escape_controls(n) if escape else n for n in table.column_names]
+    rows = [[_cell(v, escape) for v in r.values()] for r in table.slice(0, max_rows).to_pylist()]
     widths = [max([len(n)] + [len(r[i]) for r in rows]) for i, n in enumerate(names)]
     line = "  ".join(n.ljust(w) for n, w in zip(names, widths))
     out = [line, "  ".join("-" * w for w in widths)]
@@ -60,17 +128,21 @@ def format_table(table: pa.Table, max_rows: int = 50) -> str:
 
 
 def write_result(table: pa.Table, fmt: str, out: str | None) -> None:
-    """Write a query result; files are written here, never by SQL."""
+    """Write a query result; files are written here, never by SQL (and never into a store)."""
     import pyarrow.csv as pcsv
     import pyarrow.parquet as pq
 
+    if out:
+        from .export import check_output_path
+
+        check_output_path(out, what="--out file")
     if fmt == "parquet":
         if not out:
-            raise SystemExit("--format parquet needs --out FILE")
-        pq.write_table(table, out, compression="zstd")
+            raise UsageError("--format parquet needs --out FILE")
+        _write_atomic(out, lambda tmp: pq.write_table(table, tmp, compression="zstd"))
         return
     if fmt == "table":
-        text = format_table(table, max_rows=table.num_rows if out else 50) + "\n"
+        text = format_table(table, max_rows=table.num_rows if out else 50, escape=not out) + "\n"
     elif fmt == "json":
         text = "".join(json.dumps(r, default=str) + "\n" for r in table.to_pylist())
     else:  # csv
@@ -90,9 +162,22 @@ def write_result(table: pa.Table, fmt: str, out: str | None) -> None:
         pcsv.write_csv(flat, buf)
         text = buf.getvalue().decode()
     if out:
-        Path(out).write_text(text)
+        _write_atomic(out, lambda tmp: Path(tmp).write_text(text))
     else:
         sys.stdout.write(text)
+
+
+def _write_atomic(out: str, write: Callable[[str], object]) -> None:
+    """Write through a temp file beside ``out``, renamed when complete, removed on any error."""
+    tmp = os.path.join(
+        os.path.dirname(os.path.abspath(out)), f".{Path(out).name}.tmp-{os.getpid()}"
+    )
+    try:
+        write(tmp)
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 def _param(s: str):
@@ -111,13 +196,28 @@ def cmd_init(a) -> None:
 
 
 def cmd_ingest(a) -> None:
-    from .ingest import ingest_files
+    from .ingest import _format, ingest_files
+
+    rename = {}
+    for m in a.map:
+        src, sep, dest = m.partition("=")
+        if not sep or not src or not dest:
+            raise UsageError(f"--map takes SRC=DEST (rename field SRC to DEST), got {m!r}")
+        rename[src] = dest
+    for f in a.files:
+        if os.path.isdir(f):
+            raise UsageError(f"{f} is a folder; expected a .jsonl, .jsonl.zst or .parquet file")
+        if not os.path.exists(f):
+            raise UsageError(f"{f}: no such file")
+        try:
+            _format(f)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from exc
 
     def report(r) -> None:
         skipped = f", {r.skipped} skipped as duplicates" if r.skipped else ""
         print(f"{r.path}: {r.rows} rollouts{skipped} (store version {r.version})")
 
-    rename = dict(m.split("=", 1) for m in a.map)
     store, results = ingest_files(
         a.store,
         a.files,
@@ -132,11 +232,29 @@ def cmd_ingest(a) -> None:
 
 
 def cmd_sql(a) -> None:
+    from .sql import run
+
     store = _store(a.store)
+    if a.out:
+        from .export import check_output_path
+
+        check_output_path(a.out, what="--out file")  # before the query runs
     if a.version is not None:
+        known = [v["version"] for v in store.versions()]
+        if a.version not in known:
+            shown = ", ".join(map(str, known[-10:]))
+            raise UsageError(
+                f"store {store.uri} has no version {a.version}; its versions end with {shown} "
+                "(see `rolloutstore versions`)"
+            )
         store = store.checkout(a.version)
     params = [_param(p) for p in a.param] or None
-    write_result(store.sql(a.query, params), a.format, a.out)
+    con = store.connect()
+    try:
+        table = run(con, a.query, params, timeout=a.timeout)
+    finally:
+        con.close()
+    write_result(table, a.format, a.out)
 
 
 def cmd_export(a) -> None:
@@ -155,6 +273,7 @@ def cmd_export(a) -> None:
         min_reward=a.min_reward,
         min_margin=a.min_margin,
         progress=not a.quiet,
+        timeout=a.timeout,
     )
     print(f"exported {r.rows} rows ({a.as_}, {fmt}) to {r.path}")
 
@@ -163,13 +282,27 @@ def cmd_sample(a) -> None:
     from .cliargs import dataclass_from_args
     from .replay import ReplayConfig, Selector
 
-    cfg = dataclass_from_args(ReplayConfig, a)
+    try:
+        cfg = dataclass_from_args(ReplayConfig, a)
+    except (ValueError, TypeError) as exc:  # ReplayConfig names the offending option
+        raise UsageError(str(exc)) from exc
+    if not a.explain:
+        if a.batch_size is None and a.max_tokens is None:
+            raise UsageError("sample needs --batch-size N or --max-tokens T")
+        for flag, v in (("--batch-size", a.batch_size), ("--max-tokens", a.max_tokens)):
+            if v is not None and v < 1:
+                raise UsageError(f"{flag} must be >= 1, got {v}")
     store = _store(a.store)
     sel = Selector(store, cfg, run_id=a.run_id, record_usage=a.record_usage)
     if a.explain:
         print(sel.explain(a.learner_version))
         return
-    s = sel.sample(a.batch_size, a.learner_version, max_tokens=a.max_tokens)
+    step = a.learner_step if a.learner_step is not None else _next_step(store, a.run_id)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        s = sel.sample(a.batch_size, a.learner_version, max_tokens=a.max_tokens, learner_step=step)
+    for w in caught:
+        print(f"warning: {w.message}", file=sys.stderr)
     rows = store.take_rows(
         s.row_addresses,
         columns=["rollout_id", "prompt_id", "prompt_text", "reward", "policy_version"],
@@ -189,6 +322,14 @@ def cmd_sample(a) -> None:
         }
     )
     write_result(out, a.format, a.out)
+
+
+def _next_step(store, run_id: str) -> int:
+    """One past the newest step ``run_id`` logged: each CLI draw is a new learner step, so
+    ``--max-uses`` counts uses across calls (a rerun of step 0 would count as one use)."""
+    t = store.sql("SELECT max(learner_step) AS s FROM usage WHERE run_id = ?", [run_id])
+    last = t["s"][0].as_py()
+    return 0 if last is None else int(last) + 1
 
 
 def print_stats(st: dict) -> None:
@@ -276,28 +417,6 @@ def cmd_evict(a) -> None:
         print(format_report(r.coverage))
 
 
-def cmd_rescore(a) -> None:
-    from .rescore import RescoreError
-
-    options = {}
-    for opt in a.task_option:
-        key, sep, value = opt.partition("=")
-        if not sep or not key:
-            raise RescoreError(f"--task-option takes KEY=VALUE, got {opt!r}")
-        options[key.replace("-", "_")] = _param(value)
-    r = _store(a.store).rescore(
-        a.task,
-        task_options=options,
-        where=a.where,
-        params=[_param(p) for p in a.param],
-        from_task=a.from_task,
-        advantage_mode=a.advantage_mode,
-        note=a.note,
-        progress=not a.quiet,
-    )
-    print(r.line())
-
-
 def cmd_schema(a) -> None:
     from .schema import describe
 
@@ -330,9 +449,8 @@ def cmd_demo(a) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
-        prog="rolloutstore", description="Disk-backed rollout store for LLM RL."
-    )
+    ap = _Parser(prog="rolloutstore", description="Disk-backed rollout store for LLM RL.")
+    ap.add_argument("--debug", action="store_true", help="show tracebacks of errors")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     p = sub.add_parser("init", help="create an empty store")
@@ -362,6 +480,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=["table", "csv", "json", "parquet"], default="table")
     p.add_argument("--out", help="write the result to this file")
     p.add_argument("--version", type=int, default=None, help="query a past store version")
+    _timeout_arg(p)
     p.set_defaults(func=cmd_sql)
 
     p = sub.add_parser(
@@ -394,6 +513,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="dpo: least chosen - rejected reward per group (default 0.5)",
     )
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    _timeout_arg(p)
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("sample", help="draw one replay batch and print it (or its SQL)")
@@ -403,6 +523,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--learner-version", type=int, required=True)
     p.add_argument("--run-id", default="default")
     p.add_argument("--record-usage", action="store_true", help="log the draw in the usage table")
+    p.add_argument(
+        "--learner-step",
+        type=int,
+        default=None,
+        help="step to draw (default: one past the newest step --run-id logged)",
+    )
     p.add_argument("--explain", action="store_true", help="print the SQL instead of sampling")
     p.add_argument("--format", choices=["table", "csv", "json", "parquet"], default="table")
     p.add_argument("--out")
@@ -449,33 +575,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_dataclass_args(p, RetentionConfig)
     p.set_defaults(func=cmd_evict)
 
-    try:  # generation lives in the trainer package (transformers/torch, vLLM optional)
-        from trainer.rollout.pipeline import add_generate_parser
-    except ImportError:  # pragma: no cover - the trainer package ships with rolloutstore
-        pass
-    else:
-        add_generate_parser(sub)
-
-    p = sub.add_parser(
-        "rescore", help="re-score stored rollouts under a new reward_version (tokens untouched)"
-    )
-    p.add_argument("store")
-    p.add_argument("--task", required=True, help="task whose verifier scores (arith, ...)")
-    p.add_argument("--task-option", action="append", default=[], metavar="K=V", help="task option")
-    p.add_argument(
-        "--from-task", default=None, help="rows' task column to re-score (default: --task)"
-    )
-    p.add_argument(
-        "--where",
-        default=None,
-        help="filter over rollouts_scored picking groups, e.g. 'reward > ?'",
-    )
-    p.add_argument("--param", action="append", default=[], help="value for the next ? in --where")
-    p.add_argument("--advantage-mode", choices=["grpo", "drgrpo"], default="grpo")
-    p.add_argument("--note", default=None, help="free-form note stored with the new version")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
-    p.set_defaults(func=cmd_rescore)
-
     p = sub.add_parser("schema", help="print the rollout schema")
     p.set_defaults(func=cmd_schema)
 
@@ -484,17 +583,56 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rollouts", type=int, default=4096)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_demo)
+
+    from .plugins import COMMANDS, load
+
+    for register in load(COMMANDS):  # e.g. the trainer's generate and rescore
+        register(sub)
+    for p in sub.choices.values():  # --debug after the command too
+        p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                       help="show tracebacks of errors")  # fmt: skip
     return ap
 
 
+def _timeout_arg(p: argparse.ArgumentParser) -> None:
+    from .sql import DEFAULT_TIMEOUT
+
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT,
+        metavar="S",
+        help=f"interrupt the query after S seconds (default {DEFAULT_TIMEOUT:g})",
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Run one command; user errors print ``error: ...`` (one line) and return 2."""
+    from .errors import QueryInterrupted
+    from .sql import sigint_interrupts
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    debug = "--debug" in argv or os.environ.get("ROLLOUTSTORE_DEBUG") == "1"
     try:
-        args.func(args)
-    except (RolloutStoreError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        args = build_parser().parse_args(argv)
+        with sigint_interrupts():
+            args.func(args)
+    except (KeyboardInterrupt, QueryInterrupted):
+        if debug:
+            raise
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        if debug or not is_user_error(exc):
+            raise
+        print(f"error: {_one_line(exc)}", file=sys.stderr)
         return 2
     return 0
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text[6:].lstrip() if text.startswith("error:") else text
 
 
 if __name__ == "__main__":

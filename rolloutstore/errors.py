@@ -81,3 +81,44 @@ class FileUnreadableError(IngestError):
             f"{path}: expected {expected}, found {found}; {fix}. Nothing of this file was written.",
         )
         self.row, self.field, self.reason, self.path = None, None, found, path
+
+
+class QueryTimeoutError(QueryError, TimeoutError):
+    """A query ran past its time limit and was interrupted."""
+
+
+class QueryInterrupted(QueryError):
+    """A query was interrupted from outside (Ctrl-C) rather than by its time limit."""
+
+
+class UsageError(RolloutStoreError, ValueError):
+    """A command-line argument is malformed or names something that does not exist."""
+
+
+class OutputPathError(RolloutStoreError, ValueError):
+    """An output path would overwrite part of a store (or is otherwise unusable)."""
+
+
+# Errors that used to live beside the code raising them (re-exported there).
+class ExportError(RolloutStoreError, ValueError):
+    """An export was asked for with options that do not fit together, or could not be written."""
+
+
+class MissingDependencyError(RolloutStoreError, ImportError):
+    """An optional package needed by the asked-for format is not installed."""
+
+
+class EmptyBufferError(RolloutStoreError, LookupError):
+    """No rollout is eligible under the replay config."""
+
+
+class RewardVersionError(RolloutStoreError, ValueError):
+    """``ReplayConfig.reward_version`` names a re-scoring the store does not have."""
+
+
+class RescoreError(RolloutStoreError, ValueError):
+    """A re-scoring was refused (unknown task, bad filter, a row without its answer)."""
+
+
+class ShortBatchWarning(UserWarning):
+    """A drawn batch holds fewer rows than asked (``per_prompt_cap``, a small buffer)."""

@@ -32,12 +32,14 @@ Shapes (``as_``):
 
 ``where`` is a filter only, applied to ``rollouts`` before shaping: it runs as
 ``... FROM rollouts WHERE (<where>)`` with ``params`` bound to its ``?``
-placeholders, and must be one boolean expression (no ``;``, comments, or
-parentheses that close the wrapper; checked with DuckDB's parser too).
+placeholders, and must be one boolean expression over the store's columns
+(:func:`rolloutstore.sql.check_where`). ``timeout`` (seconds) interrupts a query
+that runs longer. ``out`` may not lie inside a store folder (:func:`check_output_path`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -53,7 +55,18 @@ import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .errors import QueryError, RolloutStoreError
+from .errors import ExportError, MissingDependencyError, OutputPathError, QueryError
+from .sql import check_where, limits
+
+__all__ = [
+    "ExportError",
+    "ExportResult",
+    "MissingDependencyError",
+    "check_output_path",
+    "check_where",
+    "export",
+    "infer_format",
+]
 
 if TYPE_CHECKING:
     from .store import RolloutStore
@@ -90,114 +103,58 @@ DPO_COLUMNS: dict[str, tuple[str, str]] = {
 }
 
 
-class ExportError(RolloutStoreError, ValueError):
-    """An export was asked for with options that do not fit together, or could not be written."""
-
-
-class MissingDependencyError(RolloutStoreError, ImportError):
-    """An optional package needed by the asked-for format is not installed."""
-
-
 @dataclass(frozen=True)
 class ExportResult:
     rows: int
     path: str
 
 
-# -- the filter ------------------------------------------------------------------------------
-def check_where(where: str) -> str:
-    """Return ``where`` stripped if it is a single filter expression; raise QueryError if not.
+# -- outputs -------------------------------------------------------------------------------
+def check_output_path(path: str | os.PathLike, *, what: str = "output") -> str:
+    """Refuse an output path inside a store or Lance dataset folder (symlinks resolved).
 
-    Cheap lexical checks first (clear messages), then DuckDB's own parser decides:
-    ``SELECT 1 FROM rollouts WHERE (<where>)`` must parse as exactly one plain
-    SELECT over ``rollouts`` with nothing but a WHERE clause.
+    Writing there (a manifest, a data file, the store folder itself) would corrupt
+    the store, so ``export`` and ``sql --out`` refuse it with OutputPathError.
     """
-    text = where.strip()
-    fix = "pass literal values with --param / params and ? placeholders"
-    if not text:
-        raise QueryError("--where is empty; expected a boolean filter such as 'reward > ?'")
-    if ";" in text:
-        raise QueryError(
-            f"--where must be a single filter expression, found ';' in {text!r}; {fix}"
-        )
-    if "--" in text or "/*" in text or "*/" in text:
-        raise QueryError(f"--where must not contain SQL comments ('--', '/*'), found {text!r}")
-    _check_parens(text)
-    _check_ast(text)
-    return text
+    raw = os.fspath(path)
+    if "://" in raw:
+        return raw
+    real = Path(os.path.realpath(raw))
+    for folder in (real, *real.parents):
+        if folder.name.endswith(".lance") or (folder / "rollouts.lance").is_dir():
+            kind = "Lance dataset" if folder.name.endswith(".lance") else "store"
+            raise OutputPathError(
+                f"refusing to write the {what} {raw!r}: it lies inside the {kind} folder "
+                f"{str(folder)!r} (resolved: {str(real)!r}) and would corrupt it; "
+                "write it outside every store folder"
+            )
+    return raw
 
 
-def _check_parens(text: str) -> None:
-    """Parentheses outside string literals must balance and never close the wrapper."""
-    depth, quote = 0, ""
-    for i, ch in enumerate(text):
-        if quote:
-            if ch == quote:
-                quote = ""  # a doubled quote ('') re-opens on the next character
-            continue
-        if ch in "'\"":
-            quote = ch
-        elif ch == "(":
-            depth += 1
-        elif ch == ")":
-            depth -= 1
-            if depth < 0:
-                raise QueryError(
-                    f"--where must be a single filter expression: the ')' at offset {i} of "
-                    f"{text!r} closes a parenthesis it did not open"
-                )
-    if quote:
-        raise QueryError(f"--where has an unterminated {quote} quote: {text!r}")
-    if depth:
-        raise QueryError(f"--where has {depth} unclosed '(' : {text!r}")
-
-
-def _check_ast(text: str) -> None:
-    con = duckdb.connect(
-        config={
-            "enable_external_access": False,
-            "autoinstall_known_extensions": False,
-            "autoload_known_extensions": False,
-        }
-    )
+def _remove_stale_temps(parent: str, name: str) -> None:
+    """Temp outputs (``.NAME.tmp-PID``) of exports whose process is gone (e.g. killed)."""
+    prefix = f".{name}.tmp-"
     try:
-        raw = con.execute(
-            "SELECT json_serialize_sql(?)", [f"SELECT 1 FROM rollouts WHERE ({text})"]
-        ).fetchone()[0]
-    except duckdb.Error as exc:  # pragma: no cover - json_serialize_sql is built in
-        raise QueryError(f"could not parse --where {text!r}: {exc}") from exc
-    finally:
-        con.close()
-    tree = json.loads(raw)
-    if tree.get("error"):
-        raise QueryError(
-            f"--where {text!r} is not valid SQL: {tree.get('error_message', 'parse error')}"
-        )
-    statements = tree.get("statements", [])
-    node = statements[0]["node"] if len(statements) == 1 else {}
-    frm = node.get("from_table") or {}
-    plain = (
-        node.get("type") == "SELECT_NODE"
-        and not node.get("modifiers")
-        and not (node.get("cte_map") or {}).get("map")
-        and len(node.get("select_list", [])) == 1
-        and frm.get("type") == "BASE_TABLE"
-        and frm.get("table_name") == "rollouts"
-        and not frm.get("alias")
-        and frm.get("sample") is None
-        and frm.get("at_clause") is None
-        and not node.get("group_expressions")
-        and not node.get("group_sets")
-        and node.get("having") is None
-        and node.get("qualify") is None
-        and node.get("sample") is None
-        and node.get("where_clause") is not None
-    )
-    if not plain:
-        raise QueryError(
-            f"--where must be one boolean filter expression over rollouts' columns, found "
-            f"{text!r}, which changes the query around it (UNION, ORDER BY, LIMIT, ...)"
-        )
+        entries = os.listdir(parent)
+    except OSError:
+        return
+    for entry in entries:
+        if not entry.startswith(prefix) or not entry[len(prefix) :].isdigit():
+            continue
+        pid = int(entry[len(prefix) :])
+        try:
+            os.kill(pid, 0)
+            continue  # still running
+        except ProcessLookupError:
+            pass
+        except OSError:
+            continue
+        stale = os.path.join(parent, entry)
+        if os.path.isdir(stale):
+            shutil.rmtree(stale, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                os.remove(stale)
 
 
 # -- queries ---------------------------------------------------------------------------------
@@ -376,6 +333,7 @@ def export(
     min_reward: float | None = None,
     min_margin: float | None = None,
     progress: bool = True,
+    timeout: float | None = None,
 ) -> ExportResult:
     """Write ``store``'s rows (shaped by ``as_``) to ``out``; see the module docstring.
 
@@ -387,7 +345,7 @@ def export(
     """
     from tqdm.auto import tqdm
 
-    path = os.fspath(out)
+    path = check_output_path(out, what="export output")
     implied = _implied_format(path)
     if format is None:
         format = implied or "parquet"
@@ -411,7 +369,7 @@ def export(
     if as_ == "dpo" and min_margin is None:
         min_margin = DEFAULT_MIN_MARGIN
     if where is not None:
-        where = check_where(where)
+        where = check_where(where, store.schema.names, n_params=len(params or []))
     elif params:
         raise QueryError(f"{len(params)} params given but no --where to bind them to")
 
@@ -433,49 +391,56 @@ def export(
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
 
+    _remove_stale_temps(parent, Path(path).name)
+
     con = store.connect()
-    try:
-        total = con.sql(count_query, params=args or None).fetchall()[0][0]
-        reader = con.sql(query, params=args or None).to_arrow_reader(BATCH_ROWS)
-    except duckdb.Error as exc:
-        con.close()
-        raise QueryError(f"export query failed: {type(exc).__name__}: {exc}") from exc
-
-    rows = 0
-    bar = tqdm(total=total, unit="rows", desc=f"export {as_}", disable=not progress, leave=False)
-
-    def batches() -> Iterator[pa.RecordBatch]:
-        nonlocal rows
-        for b in reader:
-            if b.num_rows == 0:
-                continue
-            b = pa.Table.from_batches([b]).rename_columns(schema.names).cast(schema)
-            for part in b.to_batches():
-                rows += part.num_rows
-                bar.update(part.num_rows)
-                yield part
-
     tmp = os.path.join(parent, f".{Path(path).name}.tmp-{os.getpid()}")
+    rows = 0
+    bar = None
     try:
-        if format == "parquet":
-            _write_parquet(batches(), schema, tmp)
-        elif format == "hf":
-            _write_hf(batches(), schema, tmp, progress)
-        else:
-            _write_jsonl(batches(), schema, tmp, zst=format == "jsonl.zst")
-        if format == "hf" and os.path.isdir(path):
-            os.rmdir(path)  # empty (checked above)
-        os.replace(tmp, path)
+        # One deadline for the count and the whole stream.
+        with limits(con, timeout):
+            total = con.sql(count_query, params=args or None).fetchall()[0][0]
+            reader = con.sql(query, params=args or None).to_arrow_reader(BATCH_ROWS)
+            bar = tqdm(total=total, unit="rows", desc=f"export {as_}", disable=not progress,
+                       leave=False)  # fmt: skip
+
+            def batches() -> Iterator[pa.RecordBatch]:
+                nonlocal rows
+                for b in reader:
+                    if b.num_rows == 0:
+                        continue
+                    b = pa.Table.from_batches([b]).rename_columns(schema.names).cast(schema)
+                    for part in b.to_batches():
+                        rows += part.num_rows
+                        bar.update(part.num_rows)
+                        yield part
+
+            if format == "parquet":
+                _write_parquet(batches(), schema, tmp)
+            elif format == "hf":
+                _write_hf(batches(), schema, tmp, progress)
+            else:
+                _write_jsonl(batches(), schema, tmp, zst=format == "jsonl.zst")
+            if format == "hf" and os.path.isdir(path):
+                os.rmdir(path)  # empty (checked above)
+            os.replace(tmp, path)
     except duckdb.Error as exc:
         raise QueryError(f"export query failed: {type(exc).__name__}: {exc}") from exc
-    finally:
-        bar.close()
+    finally:  # also on KeyboardInterrupt / SystemExit: no partial or hidden temp output
+        if bar is not None:
+            bar.close()
         con.close()
-        if os.path.isdir(tmp):
-            shutil.rmtree(tmp, ignore_errors=True)
-        elif os.path.exists(tmp):
-            os.remove(tmp)
+        _remove(tmp)
     return ExportResult(rows, path)
+
+
+def _remove(tmp: str) -> None:
+    if os.path.isdir(tmp):
+        shutil.rmtree(tmp, ignore_errors=True)
+    elif os.path.exists(tmp):
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
 
 
 def _implied_format(path: str) -> ExportFormat | None:

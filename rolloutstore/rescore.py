@@ -6,35 +6,41 @@
     from rolloutstore import RolloutStore
     RolloutStore.open("runs/demo/store").rescore("arith", where="reward = ?", params=[0])
 
-A re-scoring reads each selected rollout's ``prompt_text``, ``completion_text`` and
-reference answer (``metadata`` as written by ``trainer.rollout.pipeline``: ``{"answer": ...,
-"prompt_meta": {...}}``), calls ``task.reward(prompt, completion_text)``, recomputes
-group advantages (``trainer.algo.advantage.group_advantages``) over the new rewards, and
-appends one row per rollout to ``STORE/rewards.lance`` under ``reward_version`` =
-newest + 1 (version 0 is the reward a rollout was written with). The rollouts
-dataset, and so every token column, is never rewritten.
+A re-scoring reads each selected rollout (``READ_COLUMNS``: ids, ``prompt_text``,
+``completion_text``, ``metadata``, current ``reward``), asks a *scorer* for its new
+reward, recomputes group advantages over the new rewards with an *advantage
+function*, and appends one row per rollout to ``STORE/rewards.lance`` under
+``reward_version`` = newest + 1 (version 0 is the reward a rollout was written with).
+The rollouts dataset, and so every token column, is never rewritten.
+
+The scorer is any callable ``score(row: dict) -> reward`` or object with such a
+``score`` method; a reward is a float, a ``(float, info_dict)`` pair, or an object with
+``reward`` and ``info``. The advantage function is ``advantage_fn(rewards, group_ids)
+-> advantages`` (numpy arrays, one value per row). rolloutstore knows no tasks: a task
+*name* (``"arith"``) or a trainer ``Task`` is turned into a scorer and advantage
+function by a plugin registered under the ``rolloutstore.scorers`` entry point
+(:mod:`rolloutstore.plugins`; the trainer's is ``trainer.store_commands``), which also
+adds the ``rescore`` CLI command.
 
 Rules:
 
 - Advantages are group-relative, so a re-scoring always covers whole groups: ``where``
   (a filter over the ``rollouts_scored`` view, i.e. over each rollout's current reward,
   with ``?`` placeholders bound to ``params``) picks groups by any of their rows.
-- Only rows whose ``task`` column equals ``from_task`` (default: the task's name) are
+- Only rows whose ``task`` column equals ``from_task`` (default: the scorer's ``name``) are
   eligible, so a verifier never scores another task's rollouts.
 - All rows of a re-scoring commit at once (fragments are written as it goes, then one
   Lance commit): a failure part-way leaves no partial version. A bad ``where``, an
   unknown task or a row without its answer is refused before anything is written.
 - Re-scorings are single-writer: two run concurrently could pick the same version.
-
-The trainer package (tasks, advantages) is imported only when a re-scoring runs.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
@@ -44,7 +50,7 @@ import pyarrow as pa
 from lance.fragment import write_fragments
 
 from . import schema as S
-from .errors import QueryError, RolloutStoreError
+from .errors import QueryError, RescoreError
 
 if TYPE_CHECKING:
     from .store import RolloutStore
@@ -55,8 +61,20 @@ READ_COLUMNS = [
 ]  # fmt: skip
 
 
-class RescoreError(RolloutStoreError, ValueError):
-    """A re-scoring was refused (unknown task, bad filter, a row without its answer)."""
+AdvantageFn = Callable[[np.ndarray, np.ndarray], np.ndarray]
+
+__all__ = ["RescoreError", "RescoreResult", "Scorer", "apply_rewards", "rescore", "resolve_scorer"]
+
+
+@dataclass(frozen=True)
+class Scorer:
+    """A resolved scorer: ``score(row)`` per rollout, the advantage function, a name, and
+    ``spec`` (JSON-able) recorded with every row of the re-scoring."""
+
+    score: Callable[[dict[str, Any]], Any]
+    name: str = ""
+    advantage_fn: AdvantageFn | None = None
+    spec: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -79,22 +97,35 @@ class RescoreResult:
         )
 
 
-def resolve_task(task: Any, options: dict[str, Any] | None = None):
-    """A ``trainer.tasks.Task`` from a name (+ options) or an instance; clear error if unknown."""
-    if not isinstance(task, str):
-        if options:
-            raise RescoreError("task_options only apply when the task is given by name")
-        if not callable(getattr(task, "reward", None)):
-            raise RescoreError(f"task must be a name or a trainer Task, got {task!r}")
-        return task
-    try:
-        from trainer.tasks import get_task
-    except ImportError as exc:  # pragma: no cover - the trainer package ships with rolloutstore
-        raise RescoreError(f"rescore needs the trainer package for task verifiers: {exc}") from exc
-    try:
-        return get_task(task, **(options or {}))
-    except (ValueError, TypeError) as exc:
-        raise RescoreError(f"--task {task!r} with options {options or {}}: {exc}") from exc
+def resolve_scorer(
+    scorer: Any, options: dict[str, Any] | None = None, mode: str = "grpo"
+) -> Scorer:
+    """A :class:`Scorer` from a callable, an object with ``score``, or (through the
+    ``rolloutstore.scorers`` plugins) a task name or task object."""
+    if isinstance(scorer, Scorer):
+        return scorer
+    if not isinstance(scorer, str) and not options:
+        name = str(getattr(scorer, "name", "") or "")
+        if callable(getattr(scorer, "score", None)):
+            return Scorer(scorer.score, name, None, {"scorer": type(scorer).__name__})
+        if callable(scorer) and not hasattr(scorer, "reward"):
+            name = name or getattr(scorer, "__name__", "")
+            return Scorer(scorer, name, None, {"scorer": name})
+    from .plugins import SCORERS, load
+
+    for resolve in load(SCORERS):
+        found = resolve(scorer, dict(options or {}), mode)
+        if found is not None:
+            return found
+    if isinstance(scorer, str):
+        raise RescoreError(
+            f"no scorer plugin knows the task {scorer!r}; install the trainer package (it "
+            "registers the task verifiers) or pass a scorer: a callable row -> reward"
+        )
+    raise RescoreError(
+        f"cannot score with {scorer!r}: expected a callable row -> reward, an object with "
+        "score(row), or a task name / task object a plugin resolves"
+    )
 
 
 def _select_sql(where: str | None) -> str:
@@ -126,43 +157,38 @@ def _groups(reader: pa.RecordBatchReader) -> Iterator[pa.Table]:
         yield tail
 
 
-def _prompt(prompt_cls, row: dict[str, Any]):
-    rid = row["rollout_id"]
-    if row["prompt_text"] is None:
-        raise RescoreError(f"rollout {rid}: prompt_text is null; rescore needs the prompt text")
-    try:
-        meta = json.loads(row["metadata"]) if row["metadata"] else {}
-    except json.JSONDecodeError as exc:
-        raise RescoreError(f"rollout {rid}: metadata is not JSON ({exc})") from exc
-    if not isinstance(meta, dict) or not isinstance(meta.get("answer"), str):
-        raise RescoreError(
-            f"rollout {rid}: metadata has no 'answer' string; rescore needs the reference "
-            'answer as trainer.rollout.pipeline writes it: {"answer": ..., "prompt_meta": {...}}'
-        )
-    return prompt_cls(row["prompt_text"], meta["answer"], dict(meta.get("prompt_meta") or {}))
+def _reward(value: Any) -> tuple[float, Any]:
+    if hasattr(value, "reward"):  # e.g. a RewardResult(reward, info)
+        return float(value.reward), getattr(value, "info", {})
+    if isinstance(value, tuple):
+        reward, info = value
+        return float(reward), info
+    return float(value), {}
 
 
-def _score(task, table: pa.Table, mode: str) -> dict[str, Any]:
-    from trainer.algo.advantage import group_advantages
-    from trainer.tasks import Prompt
-
+def _score(scorer: Scorer, advantage_fn: AdvantageFn, table: pa.Table) -> dict[str, Any]:
     rows = table.to_pylist()
     rewards, infos = [], []
     for row in rows:
-        result = task.reward(_prompt(Prompt, row), row["completion_text"] or "")
-        r = float(result.reward)
+        r, info = _reward(scorer.score(row))
         if not math.isfinite(r):
-            raise RescoreError(f"rollout {row['rollout_id']}: the task returned reward {r}")
+            raise RescoreError(f"rollout {row['rollout_id']}: the scorer returned reward {r}")
         rewards.append(r)
-        infos.append(json.dumps(result.info, sort_keys=True, default=str))
-    adv = group_advantages(rewards, table["group_id"].to_numpy(zero_copy_only=False), mode=mode)
+        infos.append(json.dumps(info, sort_keys=True, default=str))
+    group_ids = table["group_id"].to_numpy(zero_copy_only=False)
+    adv = np.asarray(advantage_fn(np.asarray(rewards, np.float64), group_ids), np.float32)
+    if adv.shape != (len(rows),):
+        raise RescoreError(
+            f"advantage_fn returned shape {adv.shape} for {len(rows)} rows; expected one per row"
+        )
     return {"rewards": np.asarray(rewards, np.float32), "advantages": adv, "infos": infos}
 
 
 def rescore(
     store: RolloutStore,
-    task: Any,
+    scorer: Any,
     *,
+    advantage_fn: AdvantageFn | None = None,
     task_options: dict[str, Any] | None = None,
     where: str | None = None,
     params: Sequence | None = None,
@@ -171,23 +197,31 @@ def rescore(
     note: str | None = None,
     progress: bool = False,
 ) -> RescoreResult:
-    """Re-score ``store``'s rollouts with ``task`` (a name or a Task); see the module docstring."""
-    from .export import check_where
-    from .sql import run
+    """Re-score ``store``'s rollouts with ``scorer``; see the module docstring.
+
+    ``advantage_fn(rewards, group_ids)``: group advantages of the new rewards (default:
+    the one a plugin-resolved task brings; ``advantage_mode`` is passed to that plugin).
+    """
+    from .sql import check_where, run
 
     store._check_writable()
-    if advantage_mode not in ("grpo", "drgrpo"):
-        raise RescoreError(f"advantage_mode must be grpo or drgrpo, got {advantage_mode!r}")
     if where is not None:
-        where = check_where(where)
+        columns = [*store.schema.names, "reward_version"]
+        where = check_where(where, columns, n_params=len(params or []))
     params = list(params or [])
     if where is None and params:
         raise RescoreError(f"{len(params)} --param value(s) given without --where")
-    task_obj = resolve_task(task, task_options)
-    name = getattr(task_obj, "name", "") or (task if isinstance(task, str) else "")
+    resolved = resolve_scorer(scorer, task_options, advantage_mode)
+    advantage_fn = advantage_fn or resolved.advantage_fn
+    if advantage_fn is None:
+        raise RescoreError(
+            "rescore needs advantage_fn(rewards, group_ids) -> advantages for this scorer "
+            "(e.g. trainer.algo.advantage.group_advantages)"
+        )
+    name = resolved.name
     rows_task = from_task or name
     if not rows_task:
-        raise RescoreError("the task has no name: pass from_task to say which rows it scores")
+        raise RescoreError("the scorer has no name: pass from_task to say which rows it scores")
 
     con = store.connect()
     sql = _select_sql(where)
@@ -204,18 +238,19 @@ def rescore(
     reader = con.sql(sql, params=bound).to_arrow_reader(BATCH_ROWS)
     sch = S.table_schema("rewards")
     target = store.uri.rstrip("/") + "/rewards.lance"
-    scorer = json.dumps(
-        {"task": name, "options": task_options or {}, "advantage_mode": advantage_mode},
+    scorer_json = json.dumps(
+        {"task": name, "options": task_options or {}, "advantage_mode": advantage_mode,
+         **resolved.spec},
         sort_keys=True,
         default=str,
-    )
+    )  # fmt: skip
     now = datetime.now(UTC)
     fragments, n_rows, n_groups, changed = [], 0, 0, 0
     sum_before, n_before, sum_after = 0.0, 0, 0.0
     bar = _bar(total, progress)
     try:
         for part in _groups(reader):
-            scored = _score(task_obj, part, advantage_mode)
+            scored = _score(resolved, advantage_fn, part)
             old = part["reward"].to_numpy(zero_copy_only=False).astype(np.float64)
             new = scored["rewards"]
             known = ~np.isnan(old)
@@ -232,7 +267,7 @@ def rescore(
                     "advantage": pa.array(scored["advantages"], pa.float32()),
                     "reward_info": pa.array(scored["infos"], pa.string()),
                     "task": pa.array([name] * n, pa.string()),
-                    "scorer": pa.array([scorer] * n, pa.string()),
+                    "scorer": pa.array([scorer_json] * n, pa.string()),
                     "note": pa.array([note] * n, pa.string()),
                     "created_at": pa.array([now] * n, sch.field("created_at").type),
                 },

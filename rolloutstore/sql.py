@@ -13,24 +13,62 @@ datasets with projection and filter pushdown) and defines the views
                values it was written with). ``rollouts`` itself always shows version 0:
                it is the raw log, and scanning it never pays for a join.
 
-It is safe by default: ``enable_external_access`` is off and the configuration is
-locked, so a query cannot read or write files outside the registered datasets,
-load extensions, or turn that back on. Files we write (``--out``) are written by
-our code from the Arrow result, never by SQL.
+Every connection goes through :func:`connect`, the one lock-down (``LOCKDOWN``):
+no external file access, no extension install/load, no persistent secrets, spills
+to a private temp folder, no progress bar, and a locked configuration, so user SQL
+cannot read or write files outside the registered datasets, load extensions, or
+change a setting. Files we write (``--out``) are written by our code from the
+Arrow result, never by SQL.
+
+User filters (``sample --where``, ``ReplayConfig.where``, ``export --where``,
+``rescore --where``) all pass :func:`check_where`: DuckDB's own parser must read
+the text as exactly one expression over known columns, with no subquery, comment,
+file- or settings-reading function, and only ``?`` placeholders for values.
+
+Query limits: :func:`limits` bounds a query by ``timeout`` seconds (a watchdog thread
+calls ``DuckDBPyConnection.interrupt()``), and while :func:`sigint_interrupts` is
+active (the CLI), Ctrl-C interrupts the running query at once instead of when it ends.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+import json
+import os
+import signal
+import tempfile
+import threading
+import weakref
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import duckdb
 import pyarrow as pa
 
-from .errors import QueryError
+from .errors import QueryError, QueryInterrupted, QueryTimeoutError
 
 if TYPE_CHECKING:
     from .store import RolloutStore
+
+# The default limit of the CLI's `sql` and `export --where` (seconds; the API default is none).
+DEFAULT_TIMEOUT = 300.0
+
+# Settings every connection is opened with, before the configuration is locked.
+LOCKDOWN: dict[str, Any] = {
+    "enable_external_access": False,  # no files, URLs, ATTACH, COPY, read_*/glob
+    "autoinstall_known_extensions": False,
+    "autoload_known_extensions": False,
+    "allow_community_extensions": False,
+    "allow_unsigned_extensions": False,
+    "allow_persistent_secrets": False,
+    "threads": 2,
+}
+
+
+def _temp_directory() -> str:
+    # Spills go to a private folder, never to the working directory (which may be a store).
+    return os.path.join(tempfile.gettempdir(), f"rolloutstore-duckdb-{os.getuid()}")
+
 
 GROUPS_VIEW = """
 CREATE VIEW groups AS
@@ -67,19 +105,13 @@ FROM rollouts r LEFT JOIN newest n ON r.rollout_id = n.rollout_id
 """
 
 
-def connect(datasets: Mapping[str, Any]) -> duckdb.DuckDBPyConnection:
-    """A locked connection with each of ``datasets`` registered under its name."""
-    con = duckdb.connect(
-        config={
-            "enable_external_access": False,
-            "autoinstall_known_extensions": False,
-            "autoload_known_extensions": False,
-            "threads": 2,
-        }
-    )
-    for name, ds in datasets.items():
+def connect(datasets: Mapping[str, Any] | None = None) -> duckdb.DuckDBPyConnection:
+    """A locked connection (``LOCKDOWN``) with each of ``datasets`` registered under its name."""
+    con = duckdb.connect(config={**LOCKDOWN, "temp_directory": _temp_directory()})
+    con.execute("SET enable_progress_bar = false")  # also keeps interrupt() prompt
+    for name, ds in (datasets or {}).items():
         con.register(name, ds)
-    if "rollouts" in datasets:
+    if "rollouts" in (datasets or {}):
         con.execute(GROUPS_VIEW)
         if "rewards" in datasets:
             con.execute(SCORED_VIEW)
@@ -87,15 +119,295 @@ def connect(datasets: Mapping[str, Any]) -> duckdb.DuckDBPyConnection:
     return con
 
 
-def run(
-    con: duckdb.DuckDBPyConnection, query: str, params: Sequence | Mapping | None = None
-) -> pa.Table:
-    """Execute ``query`` with ``params`` (``?`` or ``$name``) and return an Arrow table."""
+# -- the one `where` validator -----------------------------------------------------------------
+# Functions a filter may not call: they read files, settings, the environment or the
+# catalog, sleep, or change state. (External access is off anyway; this names the fault.)
+DENIED_FUNCTIONS = frozenset(
+    {
+        "glob", "getenv", "current_setting", "query", "query_table", "which_secret",
+        "sleep_ms", "pg_sleep", "enable_profile", "disable_profile", "current_query",
+        "add_grammar_extension", "remove_grammar_extension", "setseed", "nextval", "currval",
+        "sniff_csv", "extension_versions", "load_extension", "install_extension",
+    }
+)  # fmt: skip
+DENIED_PREFIXES = ("read_", "duckdb_", "pragma_", "parquet_", "iceberg_", "delta_", "json_execute")
+FIX = "pass literal values as ? placeholders with --param / params"
+
+_parse_lock = threading.Lock()
+_parse_con: duckdb.DuckDBPyConnection | None = None
+
+
+def _parse(sql: str) -> dict:
+    """DuckDB's parse tree of ``sql`` (``json_serialize_sql``), without executing it."""
+    global _parse_con
+    with _parse_lock:
+        if _parse_con is None:
+            _parse_con = connect()
+        raw = _parse_con.execute("SELECT json_serialize_sql(?::VARCHAR)", [sql]).fetchone()[0]
+    return json.loads(raw)
+
+
+def check_where(
+    where: str,
+    columns: Iterable[str] | None = None,
+    *,
+    what: str = "--where",
+    n_params: int | None = None,
+) -> str:
+    """Return ``where`` stripped if it is one boolean filter expression; raise QueryError if not.
+
+    DuckDB's parser must read ``SELECT <where>`` as exactly one plain SELECT of one
+    un-aliased expression with no FROM, WHERE, ORDER BY, set operation or second
+    statement; the text may hold no comment; the expression may hold no subquery,
+    no ``*``, no file/settings-reading function (``DENIED_FUNCTIONS``), only ``?``
+    placeholders, and only column names in ``columns`` (when given). Such a text,
+    spliced as ``WHERE (<where>)``, can only filter rows. ``n_params``: the number
+    of values given for its ``?`` placeholders, checked when not None.
+    """
+    if not isinstance(where, str):
+        raise QueryError(f"{what} must be a string, got {type(where).__name__}")
+    text = where.strip()
+    if not text:
+        raise QueryError(f"{what} is empty; expected a boolean filter such as 'reward > ?'")
+    if "\x00" in text:
+        raise QueryError(f"{what} contains a NUL character: {text!r}")
     try:
-        rel = con.sql(query, params=params)
-        if rel is None:  # a statement without a result (e.g. CREATE TEMP VIEW)
-            return pa.table({})
-        return rel.to_arrow_table()
+        tokens = duckdb.tokenize(text)
+    except Exception:  # the parser below names the fault
+        tokens = []
+    if any(kind == duckdb.token_type.comment for _, kind in tokens):
+        raise _refuse(what, text, "it contains an SQL comment ('--' or '/* */')")
+    if any(kind == duckdb.token_type.operator and text[pos] == ";" for pos, kind in tokens):
+        raise _refuse(what, text, "found ';', which would end the statement")
+    tree = _parse("SELECT " + text)
+    if tree.get("error"):
+        msg = tree.get("error_message", "parse error")
+        raise _refuse(what, text, f"DuckDB cannot parse it as one expression ({msg})")
+    statements = tree.get("statements", [])
+    if len(statements) != 1:
+        raise _refuse(what, text, f"found ';' and {len(statements)} statements")
+    node = statements[0]["node"]
+    items = node.get("select_list") or []
+    plain = (
+        node.get("type") == "SELECT_NODE"
+        and not node.get("modifiers")
+        and not (node.get("cte_map") or {}).get("map")
+        and len(items) == 1
+        and not items[0].get("alias")
+        and (node.get("from_table") or {}).get("type") == "EMPTY"
+        and node.get("where_clause") is None
+        and not node.get("group_expressions")
+        and not node.get("group_sets")
+        and node.get("having") is None
+        and node.get("qualify") is None
+        and node.get("sample") is None
+        and node.get("aggregate_handling", "STANDARD_HANDLING") == "STANDARD_HANDLING"
+    )
+    if not plain:
+        raise _refuse(
+            what, text, "it changes the query around it (UNION, ORDER BY, FROM, an alias, ...)"
+        )
+    # The same text in the place it will be spliced must parse to the same expression
+    # (e.g. ``ALL reward`` is a valid select list but no expression).
+    wrapped = _parse(f"SELECT 1 FROM rollouts WHERE ({text})")
+    inner = (wrapped.get("statements") or [{}])[0].get("node", {}).get("where_clause")
+    if wrapped.get("error") or len(wrapped["statements"]) != 1 or _shape(inner) != _shape(items[0]):
+        raise _refuse(what, text, "it does not read as the same expression inside WHERE (...)")
+    params: list[str] = []
+    _walk(items[0], text, what, None if columns is None else {c.lower() for c in columns}, set(),
+          params)  # fmt: skip
+    if n_params is not None and len(params) != n_params:
+        raise QueryError(
+            f"{what} {text!r} has {len(params)} ? placeholder(s) but {n_params} value(s) were "
+            "given; pass one --param / params value per ?"
+        )
+    return text
+
+
+def _shape(node: Any) -> Any:
+    """A parse tree without source positions (which differ with the text around it)."""
+    if isinstance(node, dict):
+        skip = ("query_location", "query_location_length")
+        return {k: _shape(v) for k, v in node.items() if k not in skip}
+    if isinstance(node, list):
+        return [_shape(v) for v in node]
+    return node
+
+
+def _refuse(what: str, text: str, reason: str) -> QueryError:
+    return QueryError(
+        f"{what} must be a single filter expression over the rows' columns; {reason}: "
+        f"{text!r}. {FIX}"
+    )
+
+
+def _walk(node: Any, text: str, what: str, columns, bound: set[str], params: list) -> None:
+    if isinstance(node, list):
+        for x in node:
+            _walk(x, text, what, columns, bound, params)
+        return
+    if not isinstance(node, dict):
+        return
+    cls = node.get("class")
+    if cls == "SUBQUERY" or "subquery" in node or node.get("type") == "SELECT_NODE":
+        raise _refuse(what, text, "it contains a subquery")
+    if cls == "STAR":
+        raise _refuse(what, text, "it uses *")
+    if cls == "PARAMETER":
+        # `?` only: `$1`/`$name` would clash with the placeholders of the query around it.
+        loc, n = node.get("query_location", 0) - 7, node.get("query_location_length", 1)
+        if text[loc : loc + n] != "?":
+            raise _refuse(what, text, f"it uses the placeholder {text[loc : loc + n]!r}, not ?")
+        params.append("?")
+        return
+    if cls == "FUNCTION":
+        name = str(node.get("function_name", "")).lower()
+        path = [str(p).lower() for p in (node.get("qualified_name") or {}).get("path", [])]
+        if node.get("schema") or node.get("catalog") or len(path) > 1:
+            raise _refuse(what, text, "it calls a schema-qualified function")
+        if name in DENIED_FUNCTIONS or name.startswith(DENIED_PREFIXES):
+            raise _refuse(what, text, f"it calls {name}(), which reads files/settings/state")
+    if cls == "WINDOW":
+        raise _refuse(what, text, "it uses a window function")
+    if cls == "LAMBDA":
+        lhs = node.get("lhs")
+        names = _lambda_names(lhs)
+        _walk(node.get("expr"), text, what, columns, bound | names, params)
+        return
+    if cls == "COLUMN_REF" and columns is not None:
+        names = [str(n) for n in node.get("column_names", [])]
+        if len(names) != 1 or (names[0].lower() not in columns and names[0] not in bound):
+            shown = ".".join(names)
+            raise _refuse(
+                what, text, f"unknown column {shown!r} (known: {', '.join(sorted(columns))})"
+            )
+    for value in node.values():
+        if isinstance(value, (dict, list)):
+            _walk(value, text, what, columns, bound, params)
+
+
+def _lambda_names(lhs: Any) -> set[str]:
+    if isinstance(lhs, dict):
+        if lhs.get("class") == "COLUMN_REF":
+            return {str(n) for n in lhs.get("column_names", [])}
+        return set().union(*(_lambda_names(c) for c in lhs.get("children", [])))
+    return set()
+
+
+# -- query limits --------------------------------------------------------------------------------
+_active: weakref.WeakSet = weakref.WeakSet()  # connections running a guarded query
+_active_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def limits(con: duckdb.DuckDBPyConnection, timeout: float | None) -> Iterator[None]:
+    """Bound the queries run on ``con`` inside the block to ``timeout`` seconds (None: no bound).
+
+    A watchdog thread calls ``con.interrupt()`` at the deadline, and the interrupted
+    query raises :class:`QueryTimeoutError`. While :func:`sigint_interrupts` is active,
+    Ctrl-C interrupts the query too, raising ``KeyboardInterrupt``.
+    """
+    if timeout is not None and not timeout > 0:
+        raise QueryError(f"timeout must be > 0 seconds, got {timeout!r}")
+    fired = threading.Event()
+    timer = None
+    if timeout is not None:
+
+        def fire() -> None:
+            fired.set()
+            con.interrupt()
+
+        timer = threading.Timer(timeout, fire)
+        timer.daemon = True
+        timer.start()
+    with _active_lock:
+        _active.add(con)
+    try:
+        yield
+    except duckdb.InterruptException as exc:
+        if fired.is_set():
+            raise QueryTimeoutError(
+                f"the query ran past its time limit of {timeout:g} s and was interrupted; "
+                "narrow it (a WHERE, a LIMIT) or raise --timeout / timeout="
+            ) from exc
+        raise QueryInterrupted("the query was interrupted (Ctrl-C)") from exc
+    finally:
+        if timer is not None:
+            timer.cancel()
+        with _active_lock:
+            _active.discard(con)
+
+
+def interrupt_all() -> None:
+    """Interrupt every query running under :func:`limits` (the Ctrl-C path)."""
+    with _active_lock:
+        cons = list(_active)
+    for con in cons:
+        with contextlib.suppress(Exception):
+            con.interrupt()
+
+
+@contextlib.contextmanager
+def sigint_interrupts() -> Iterator[None]:
+    """Make Ctrl-C interrupt running DuckDB queries at once (main thread only).
+
+    Python runs its SIGINT handler only between bytecodes, so a query running in
+    DuckDB would ignore Ctrl-C until it finished. The C-level handler also writes the
+    signal number to a wakeup fd; a watcher thread reads it and interrupts the
+    queries, which then return, and ``KeyboardInterrupt`` is raised as usual.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    try:
+        old = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+    except ValueError:  # not the main interpreter
+        os.close(r)
+        os.close(w)
+        yield
+        return
+
+    def watch() -> None:
+        while True:
+            try:
+                data = os.read(r, 64)
+            except OSError:
+                return
+            if not data:
+                return
+            if signal.SIGINT in data or signal.SIGTERM in data:
+                interrupt_all()
+
+    t = threading.Thread(target=watch, daemon=True, name="rolloutstore-sigint")
+    t.start()
+    try:
+        yield
+    finally:
+        signal.set_wakeup_fd(old)
+        os.close(w)  # the watcher reads EOF and ends
+        t.join(timeout=5)
+        os.close(r)
+
+
+def run(
+    con: duckdb.DuckDBPyConnection,
+    query: str,
+    params: Sequence | Mapping | None = None,
+    *,
+    timeout: float | None = None,
+) -> pa.Table:
+    """Execute ``query`` with ``params`` (``?`` or ``$name``) and return an Arrow table.
+
+    ``timeout``: seconds before the query is interrupted (:class:`QueryTimeoutError`).
+    """
+    try:
+        with limits(con, timeout):
+            rel = con.sql(query, params=params)
+            if rel is None:  # a statement without a result (e.g. CREATE TEMP VIEW)
+                return pa.table({})
+            return rel.to_arrow_table()
     except duckdb.Error as exc:
         raise QueryError(f"{type(exc).__name__}: {exc}") from exc
 

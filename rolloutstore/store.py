@@ -618,11 +618,15 @@ class RolloutStore:
         mode = "append" if _exists(target, self.storage_options) else "create"
         lance.write_dataset(table, target, mode=mode, storage_options=self.storage_options)
 
-    def sql(self, query: str, params: Sequence | dict | None = None) -> pa.Table:
-        """Run a parameterized DuckDB query over the store's views; returns an Arrow table."""
+    def sql(
+        self, query: str, params: Sequence | dict | None = None, *, timeout: float | None = None
+    ) -> pa.Table:
+        """Run a parameterized DuckDB query over the store's views; returns an Arrow table.
+
+        ``timeout``: seconds after which the query is interrupted (``QueryTimeoutError``)."""
         from .sql import run
 
-        return run(self.connect(), query, params)
+        return run(self.connect(), query, params, timeout=timeout)
 
     def take(
         self, row_ids: Sequence[int] | np.ndarray, columns: list[str] | None = None

@@ -103,12 +103,16 @@ class ReplayConfig:
             raise ValueError(f"ReplayConfig alpha/beta must be >= 0, got {self.alpha}, {self.beta}")
         if self.positive_pool < 1 or self.diversity_pool < 1:
             raise ValueError("ReplayConfig.positive_pool and diversity_pool must be >= 1")
-        if self.where is not None:
-            _check_where(self.where)
         # Normalise sequences so configs compare and hash equal however they were built.
         if self.runs is not None:
             object.__setattr__(self, "runs", tuple(self.runs))
         object.__setattr__(self, "where_params", tuple(self.where_params))
+        if self.where is not None:
+            _check_where(self.where, len(self.where_params))
+        elif self.where_params:
+            raise ValueError(
+                f"ReplayConfig.where_params {self.where_params!r} given without a where to bind"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -130,23 +134,9 @@ class ReplayConfig:
         return cls(**d)
 
 
-def _check_where(where: str) -> None:
-    """``where`` is spliced into a WHERE clause: it must stay one parenthesised expression."""
-    depth = 0
-    in_str = False
-    for ch in where:
-        if ch == "'":
-            in_str = not in_str
-        elif not in_str:
-            if ch == "(":
-                depth += 1
-            elif ch == ")":
-                depth -= 1
-                if depth < 0:
-                    break
-    bad = depth != 0 or in_str or ";" in where or "--" in where or "/*" in where
-    if bad:
-        raise ValueError(
-            f"ReplayConfig.where must be a single filter expression (balanced parentheses and "
-            f"quotes, no ';' or comments), got {where!r}; pass values as ? with where_params"
-        )
+def _check_where(where: str, n_params: int) -> None:
+    """``where`` is spliced into a WHERE clause: the one validator in ``sql`` decides."""
+    from ..sql import check_where
+    from .queries import WHERE_COLUMNS
+
+    check_where(where, WHERE_COLUMNS, what="ReplayConfig.where", n_params=n_params)

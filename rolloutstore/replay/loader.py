@@ -29,12 +29,20 @@ sequence's first token from the previous one are masked.
 
 Workers must be spawned (or forkserver'd), not forked: Lance's I/O runtime is not
 fork-safe, and a forked worker can crash once the parent has read the store.
+
+Shutdown: the prefetch thread is stopped and joined when the iterator is closed or
+collected, and at interpreter exit for iterators left unfinished (an ``atexit`` hook),
+so no thread is inside Lance or DuckDB while the interpreter tears down; each
+producer closes its selector's DuckDB connection when it ends.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import queue
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -46,6 +54,58 @@ from torch.utils.data import IterableDataset, get_worker_info
 from ..store import RolloutStore
 from .config import ReplayConfig
 from .selector import Selection, Selector
+
+# Prefetch threads still running: stopped and joined at interpreter exit.
+_PREFETCHERS: weakref.WeakSet = weakref.WeakSet()
+JOIN_TIMEOUT = 30.0  # seconds to wait for a producer at shutdown (one selection at most)
+
+
+class _Prefetcher(threading.Thread):
+    """Runs ``produce()`` ahead of the consumer into a bounded queue until ``stop``."""
+
+    def __init__(self, produce: Callable[[], Iterator], depth: int):
+        super().__init__(daemon=True, name="replay-prefetch")
+        self.produce = produce
+        self.q: queue.Queue = queue.Queue(maxsize=depth)
+        self.halt = threading.Event()
+        self.done = object()
+
+    def run(self) -> None:
+        gen = self.produce()
+        try:
+            for item in gen:
+                if not self._put(item):
+                    return
+            self._put(self.done)
+        except BaseException as exc:  # surfaced in the consumer
+            self._put(exc)
+        finally:
+            gen.close()  # closes the producer's selector (its DuckDB connection)
+
+    def _put(self, item) -> bool:
+        while not self.halt.is_set():
+            try:
+                self.q.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def shutdown(self) -> None:
+        """Stop producing and wait for the thread, so it holds no Lance/DuckDB call."""
+        self.halt.set()
+        with contextlib.suppress(queue.Empty):
+            while True:
+                self.q.get_nowait()
+        if self.is_alive() and self is not threading.current_thread():
+            self.join(JOIN_TIMEOUT)
+
+
+@atexit.register
+def _shutdown_prefetchers() -> None:
+    for t in list(_PREFETCHERS):
+        t.shutdown()
+
 
 # Rewards and advantages come from the Selection (the selector overlays re-scorings on them).
 TOKEN_COLUMNS = ["prompt_ids", "completion_ids", "behavior_logprobs"]
@@ -334,16 +394,19 @@ class ReplayDataset(IterableDataset):
         selector.load_state_dict({"step": self.start_step})
         cache = TokenCache(self.store, self.cache_tokens)
         step = self.start_step
-        while self.steps is None or step < self.steps:
-            sel = selector.sample(
-                self.batch_size,
-                self._version(step),
-                max_tokens=self.max_tokens_per_batch,
-                learner_step=step,
-            )
-            if (step - self.start_step) % nworkers == wid:
-                yield self._build(step, sel, cache)
-            step += 1
+        try:
+            while self.steps is None or step < self.steps:
+                sel = selector.sample(
+                    self.batch_size,
+                    self._version(step),
+                    max_tokens=self.max_tokens_per_batch,
+                    learner_step=step,
+                )
+                if (step - self.start_step) % nworkers == wid:
+                    yield self._build(step, sel, cache)
+                step += 1
+        finally:
+            selector.close()
 
     def __iter__(self) -> Iterator:
         if self.prefetch <= 0 or get_worker_info() is not None:
@@ -352,35 +415,18 @@ class ReplayDataset(IterableDataset):
                 self._yielded += 1
                 yield item
             return
-        q: queue.Queue = queue.Queue(maxsize=self.prefetch)
-        stop = threading.Event()
-        done = object()
-
-        def work():
-            try:
-                for item in self._produce():
-                    while not stop.is_set():
-                        try:
-                            q.put(item, timeout=0.1)
-                            break
-                        except queue.Full:
-                            continue
-                    if stop.is_set():
-                        return
-                q.put(done)
-            except BaseException as exc:  # surfaced in the consumer
-                q.put(exc)
-
-        t = threading.Thread(target=work, daemon=True, name="replay-prefetch")
+        t = _Prefetcher(self._produce, self.prefetch)
+        _PREFETCHERS.add(t)
         t.start()
         try:
             while True:
-                item = q.get()
-                if item is done:
+                item = t.q.get()
+                if item is t.done:
                     return
                 if isinstance(item, BaseException):
                     raise item
                 self._yielded += 1
                 yield item
         finally:
-            stop.set()
+            t.shutdown()
+            _PREFETCHERS.discard(t)

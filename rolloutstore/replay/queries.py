@@ -16,6 +16,9 @@ SCALAR_COLUMNS = [
     "num_prompt_tokens", "num_completion_tokens", "task",
 ]  # fmt: skip
 
+# Columns a ``where`` may name: the scanned ones plus the overlaid ``reward_version``.
+WHERE_COLUMNS = [*SCALAR_COLUMNS, "reward_version"]
+
 # What selection itself reads when no `where` names other columns.
 SELECT_COLUMNS = [
     "rollout_id", "run_id", "prompt_id", "group_id", "policy_version", "created_at", "reward",

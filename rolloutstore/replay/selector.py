@@ -38,6 +38,7 @@ max over both sides, so uniform priority keeps w = 1: the mix, like
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,7 +47,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute  # noqa: F401  (pa.compute)
 
-from ..errors import RolloutStoreError
+from ..errors import EmptyBufferError, RewardVersionError, ShortBatchWarning
 from ..rescore import apply_rewards
 from ..sql import REWARDS_NEWEST_SQL, connect, run
 from ..store import RolloutStore
@@ -60,13 +61,7 @@ from .queries import (
     window_sql,
 )
 
-
-class EmptyBufferError(RolloutStoreError, LookupError):
-    """No rollout is eligible under the replay config."""
-
-
-class RewardVersionError(RolloutStoreError, ValueError):
-    """``ReplayConfig.reward_version`` names a re-scoring the store does not have."""
+__all__ = ["EmptyBufferError", "RewardVersionError", "Selection", "Selector", "ShortBatchWarning"]
 
 
 @dataclass(frozen=True)
@@ -92,6 +87,9 @@ class Selection:
     reward_versions: np.ndarray = field(default=None, repr=False)  # (B,) int64, 0: original
     # (B,) bool: policy_version among the buffer's fresh_versions newest (mix or not).
     fresh: np.ndarray = field(default=None, repr=False)
+    # The batch_size asked for (None: a token budget only); len(self) may be smaller
+    # when the buffer or per_prompt_cap cannot fill it (a ShortBatchWarning says why).
+    requested: int | None = None
 
     def __len__(self) -> int:
         return len(self.rollout_ids)
@@ -458,6 +456,9 @@ class Selector:
         idx, weights = draw(
             cand, want, self.config, rng, self._embeddings, prompts=prompts, fresh=fresh
         )
+        if batch_size is not None and len(idx) < batch_size and not self.config.whole_groups:
+            warnings.warn(self._short_reason(batch_size, len(idx), cand, prompts), ShortBatchWarning,
+                          stacklevel=2)  # fmt: skip
         if max_tokens is not None:
             lengths = (
                 cand["num_prompt_tokens"].to_numpy().astype(np.int64)
@@ -485,6 +486,7 @@ class Selector:
             advantages=floats(pick["advantage"]),
             reward_versions=pick["reward_version"].to_numpy().astype(np.int64),
             fresh=fresh[idx],
+            requested=batch_size,
         )
         if self._own_uses is not None:
             for rid in set(sel.rollout_ids):
@@ -493,6 +495,30 @@ class Selector:
             self.store.record_usage(sel.rollout_ids, learner_step=step, run_id=self.run_id)
         self.step = step + 1
         return sel
+
+    def _short_reason(self, asked: int, got: int, cand: pa.Table, prompts: np.ndarray) -> str:
+        cap = self.config.per_prompt_cap
+        n_prompts = len(np.unique(prompts))
+        head = f"drew {got} of the {asked} rows asked (step {self.step}): "
+        if (
+            cap is not None
+            and n_prompts * cap < min(asked, cand.num_rows)
+            or (cap is not None and self.config.replacement)
+        ):
+            return head + (
+                f"per_prompt_cap={cap} allows {cap} rows per prompt and the buffer holds "
+                f"{n_prompts} prompts ({cand.num_rows} rows); raise per_prompt_cap or the window"
+            )
+        return head + (
+            f"the buffer holds only {cand.num_rows} eligible rows and replacement=False; "
+            "relax window/max_staleness/max_uses/where or set replacement"
+        )
+
+    def close(self) -> None:
+        """Close this selector's DuckDB connection (it reopens on the next query)."""
+        con, self._con = self._con, None
+        if con is not None:
+            con.close()
 
     def _embeddings(self, cand: pa.Table, idx: np.ndarray) -> np.ndarray:
         emb = cand["embedding"].take(pa.array(idx, pa.int64()))

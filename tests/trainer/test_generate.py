@@ -17,13 +17,9 @@ from helpers import require_vllm
 
 from rolloutstore import RolloutStore
 from trainer.models.tiny import make_tiny_model
-from trainer.rollout.pipeline import (
-    GenerateSummary,
-    add_generate_parser,
-    generate_rollouts,
-    resolve_model,
-)
+from trainer.rollout.pipeline import GenerateSummary, generate_rollouts
 from trainer.rollout.sampling import SamplingParams
+from trainer.store_commands import add_generate_parser, resolve_model
 from trainer.tasks import get_task
 
 N_PROMPTS, GROUP, MAX_TOKENS = 8, 4, 16

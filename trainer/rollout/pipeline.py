@@ -16,7 +16,7 @@ Python::
                                 group_size=8, policy_version=0, backend="hf")
     print(summary.rollouts, summary.mean_reward, summary.tokens_per_s)
 
-CLI (wired into ``rolloutstore`` through :func:`add_generate_parser`)::
+CLI (registered on ``rolloutstore`` by :mod:`trainer.store_commands`)::
 
     rolloutstore generate STORE --model DIR|tiny --task arith --prompts 256 --group-size 8 \\
         --policy-version 0 --backend vllm|hf [--temperature T --top-p P --top-k K \\
@@ -27,7 +27,6 @@ CLI (wired into ``rolloutstore`` through :func:`add_generate_parser`)::
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from collections.abc import Sequence
@@ -342,94 +341,6 @@ def _finish_rows(
         row["metadata"] = json.dumps(
             {"answer": prompt.answer, "prompt_meta": prompt.meta}, sort_keys=True, default=str
         )
-
-
-# -- CLI ---------------------------------------------------------------------------------
-
-
-def resolve_model(model: str, store_path: str | Path, task: str) -> Path:
-    """``model`` as a folder; ``"tiny"`` means ``STORE/../tiny-model``, built for ``task`` if absent."""
-    if model != TINY_MODEL:
-        path = Path(model)
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"--model {model}: no config.json in that folder")
-        return path
-    path = Path(store_path).resolve().parent / "tiny-model"
-    if not (path / "config.json").is_file():
-        from trainer.models.tiny import make_tiny_model
-
-        print(f"building a tiny {task} model into {path}")
-        make_tiny_model(path, task=task, seed=0)
-    return path
-
-
-def cmd_generate(args: argparse.Namespace) -> None:
-    """Run ``rolloutstore generate`` from parsed arguments and print the closing summary line."""
-    from rolloutstore import RolloutStore
-
-    store = RolloutStore.open(args.store, create=True)
-    model = resolve_model(args.model, args.store, args.task)
-    summary = generate_rollouts(
-        store,
-        model=model,
-        task=args.task,
-        prompts=args.prompts,
-        group_size=args.group_size,
-        policy_version=args.policy_version,
-        backend=args.backend,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        max_tokens=args.max_tokens,
-        seed=args.seed,
-        batch_prompts=args.batch_prompts,
-        run_id=args.run_id,
-        policy_id=args.policy_id,
-        progress=not args.quiet,
-    )
-    print(summary.line())
-
-
-def add_generate_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Register ``generate`` on an ``add_subparsers()`` object; ``args.func(args)`` runs it."""
-    p = subparsers.add_parser(
-        "generate", help="sample scored rollouts from a model into a store (vLLM or transformers)"
-    )
-    p.add_argument("store")
-    p.add_argument(
-        "--model",
-        required=True,
-        help="checkpoint folder, or 'tiny' (built into STORE/../tiny-model)",
-    )
-    p.add_argument("--task", default="arith", help="task name (arith, countdown, ...)")
-    p.add_argument("--prompts", type=int, default=256, help="number of prompts to draw")
-    p.add_argument("--group-size", type=int, default=8, help="completions per prompt")
-    p.add_argument("--policy-version", type=int, default=0)
-    p.add_argument("--policy-id", default=None)
-    p.add_argument("--backend", choices=BACKENDS, default="vllm")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0, help="0 disables top-k")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--batch-prompts", type=int, default=64, help="prompts per append")
-    p.add_argument("--run-id", default="default")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
-    p.set_defaults(func=cmd_generate)
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m trainer.rollout.pipeline generate STORE ...`` (same arguments as the subcommand)."""
-    ap = argparse.ArgumentParser(prog="python -m trainer.rollout.pipeline")
-    add_generate_parser(ap.add_subparsers(dest="cmd", required=True))
-    args = ap.parse_args(argv)
-    args.func(args)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
 
 
 def resolve_backend(name: str) -> str:

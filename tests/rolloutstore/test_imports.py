@@ -1,0 +1,102 @@
+"""rolloutstore never imports the trainer; the trainer plugs its commands in through entry points."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import rolloutstore
+from rolloutstore import errors
+from rolloutstore.plugins import COMMANDS, SCORERS, entry_points
+
+PACKAGE = Path(rolloutstore.__file__).parent
+
+
+def _imports(path: Path) -> list[str]:
+    names = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.append(node.module)
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "import_module":
+            names += [a.value for a in node.args if isinstance(a, ast.Constant)]
+    return names
+
+
+def test_no_rolloutstore_module_imports_trainer():
+    files = sorted(PACKAGE.rglob("*.py"))
+    assert len(files) > 15
+    bad = {
+        str(f.relative_to(PACKAGE)): [n for n in _imports(f) if n.split(".")[0] == "trainer"]
+        for f in files
+    }
+    assert {k: v for k, v in bad.items() if v} == {}
+
+
+def test_trainer_commands_and_scorers_are_entry_points():
+    assert [ep.value for ep in entry_points(COMMANDS)] == [
+        "trainer.store_commands:register_commands"
+    ]
+    assert [ep.value for ep in entry_points(SCORERS)] == ["trainer.store_commands:resolve_scorer"]
+
+
+def test_plugin_commands_run_from_the_cli():
+    for cmd in ("generate", "rescore"):
+        p = subprocess.run([sys.executable, "-m", "rolloutstore", cmd, "--help"],
+                           capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert p.returncode == 0 and f"usage: rolloutstore {cmd}" in p.stdout, p.stderr
+
+
+def test_importing_the_cli_does_not_import_the_trainer():
+    code = "import sys, rolloutstore.cli, rolloutstore.rescore; print(any(m.split('.')[0] == 'trainer' for m in sys.modules))"
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.stdout.strip() == "False", p.stderr
+
+
+def test_errors_live_in_errors_and_are_re_exported():
+    from rolloutstore.export import ExportError, MissingDependencyError
+    from rolloutstore.replay.selector import EmptyBufferError, RewardVersionError
+    from rolloutstore.rescore import RescoreError
+
+    assert (
+        ExportError is errors.ExportError
+        and MissingDependencyError is errors.MissingDependencyError
+    )
+    assert (
+        EmptyBufferError is errors.EmptyBufferError
+        and RewardVersionError is errors.RewardVersionError
+    )
+    assert RescoreError is errors.RescoreError
+    for cls in (
+        ExportError,
+        EmptyBufferError,
+        RewardVersionError,
+        RescoreError,
+        MissingDependencyError,
+    ):
+        assert issubclass(cls, errors.RolloutStoreError)
+
+
+def test_rescore_takes_a_scorer_and_an_advantage_function(tmp_path):
+    import numpy as np
+    from helpers import make_rows
+
+    store = rolloutstore.RolloutStore.open(tmp_path / "s", embedding_dim=8)
+    rows = make_rows(8, group_size=4)
+    for r in rows:
+        r["task"] = "len"
+        r["completion_text"] = "x" * (r["sample_index"] + 1)
+    store.append(rows)
+
+    def score(row):
+        return float(len(row["completion_text"]))
+
+    score.name = "len"
+    r = store.rescore(score, advantage_fn=lambda rw, g: rw - rw.mean())
+    assert (r.rows, r.reward_version) == (8, 1)
+    t = store.sql("SELECT sample_index, reward, advantage FROM rollouts_scored ORDER BY rollout_id")
+    assert t["reward"].to_pylist() == [float(i + 1) for i in t["sample_index"].to_pylist()]
+    assert np.isclose(sum(t["advantage"].to_pylist()), 0.0, atol=1e-5)

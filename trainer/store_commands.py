@@ -1,0 +1,217 @@
+"""The trainer's plugins for rolloutstore: the ``generate`` and ``rescore`` commands, and
+task verifiers as re-scoring scorers.
+
+rolloutstore never imports the trainer; it finds these through the entry points in
+``pyproject.toml`` (see :mod:`rolloutstore.plugins`)::
+
+    [project.entry-points."rolloutstore.commands"]
+    trainer = "trainer.store_commands:register_commands"
+    [project.entry-points."rolloutstore.scorers"]
+    trainer = "trainer.store_commands:resolve_scorer"
+
+    rolloutstore rescore STORE --task NAME [--task-option K=V] [--where EXPR --param V]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+from pathlib import Path
+from typing import Any
+
+from rolloutstore.errors import RescoreError
+from rolloutstore.rescore import Scorer
+from trainer.errors import TrainerError
+from trainer.rollout.pipeline import BACKENDS, TINY_MODEL, generate_rollouts
+
+ADVANTAGE_MODES = ("grpo", "drgrpo")
+
+
+# -- commands ------------------------------------------------------------------------------------
+def register_commands(subparsers: Any) -> None:
+    """Add ``generate`` and ``rescore`` to rolloutstore's CLI; trainer ValueErrors are user errors."""
+    from rolloutstore.cli import register_user_errors
+
+    add_generate_parser(subparsers)
+    add_rescore_parser(subparsers)
+    register_user_errors(_is_trainer_user_error)
+
+
+def _is_trainer_user_error(exc: BaseException) -> bool:
+    # The trainer's refusals: TrainerError, and the ValueErrors its modules raise on bad
+    # arguments (an unknown task, a bad sampling value); anything else keeps its traceback.
+    if isinstance(exc, TrainerError):
+        return True
+    return isinstance(exc, ValueError) and type(exc).__module__.split(".")[0] == "trainer"
+
+
+def add_rescore_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "rescore", help="re-score stored rollouts under a new reward_version (tokens untouched)"
+    )
+    p.add_argument("store")
+    p.add_argument("--task", required=True, help="task whose verifier scores (arith, ...)")
+    p.add_argument("--task-option", action="append", default=[], metavar="K=V", help="task option")
+    p.add_argument(
+        "--from-task", default=None, help="rows' task column to re-score (default: --task)"
+    )
+    p.add_argument(
+        "--where",
+        default=None,
+        help="filter over rollouts_scored picking groups, e.g. 'reward > ?'",
+    )
+    p.add_argument("--param", action="append", default=[], help="value for the next ? in --where")
+    p.add_argument("--advantage-mode", choices=ADVANTAGE_MODES, default="grpo")
+    p.add_argument("--note", default=None, help="free-form note stored with the new version")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_rescore)
+    return p
+
+
+def cmd_rescore(a: argparse.Namespace) -> None:
+    from rolloutstore import RolloutStore
+    from rolloutstore.cliargs import parse_scalar
+
+    options = {}
+    for opt in a.task_option:
+        key, sep, value = opt.partition("=")
+        if not sep or not key:
+            raise RescoreError(f"--task-option takes KEY=VALUE, got {opt!r}")
+        options[key.replace("-", "_")] = parse_scalar(value)
+    r = RolloutStore.open(a.store, create=False).rescore(
+        a.task,
+        task_options=options,
+        where=a.where,
+        params=[parse_scalar(p) for p in a.param],
+        from_task=a.from_task,
+        advantage_mode=a.advantage_mode,
+        note=a.note,
+        progress=not a.quiet,
+    )
+    print(r.line())
+
+
+# -- scorers -------------------------------------------------------------------------------------
+def resolve_scorer(spec: Any, options: dict[str, Any], mode: str) -> Scorer | None:
+    """A task name or ``trainer.tasks.Task`` as a rolloutstore Scorer; None for anything else."""
+    from trainer.algo.advantage import group_advantages
+    from trainer.tasks import Task, get_task
+
+    if isinstance(spec, str):
+        try:
+            task = get_task(spec, **options)
+        except (ValueError, TypeError) as exc:
+            raise RescoreError(f"--task {spec!r} with options {options}: {exc}") from exc
+    elif isinstance(spec, Task) or callable(getattr(spec, "reward", None)):
+        if options:
+            raise RescoreError("task_options only apply when the task is given by name")
+        task = spec
+    else:
+        return None
+    if mode not in ADVANTAGE_MODES:
+        raise RescoreError(f"advantage_mode must be grpo or drgrpo, got {mode!r}")
+    return Scorer(
+        score=functools.partial(_task_score, task),
+        name=getattr(task, "name", "") or (spec if isinstance(spec, str) else ""),
+        advantage_fn=functools.partial(_advantages, group_advantages, mode),
+        spec={},
+    )
+
+
+def _advantages(fn, mode: str, rewards, group_ids):
+    return fn(rewards, group_ids, mode=mode)
+
+
+def _task_score(task, row: dict[str, Any]):
+    return task.reward(_prompt(row), row["completion_text"] or "")
+
+
+def _prompt(row: dict[str, Any]):
+    from trainer.tasks import Prompt
+
+    rid = row["rollout_id"]
+    if row["prompt_text"] is None:
+        raise RescoreError(f"rollout {rid}: prompt_text is null; rescore needs the prompt text")
+    try:
+        meta = json.loads(row["metadata"]) if row["metadata"] else {}
+    except json.JSONDecodeError as exc:
+        raise RescoreError(f"rollout {rid}: metadata is not JSON ({exc})") from exc
+    if not isinstance(meta, dict) or not isinstance(meta.get("answer"), str):
+        raise RescoreError(
+            f"rollout {rid}: metadata has no 'answer' string; rescore needs the reference "
+            'answer as trainer.rollout.pipeline writes it: {"answer": ..., "prompt_meta": {...}}'
+        )
+    return Prompt(row["prompt_text"], meta["answer"], dict(meta.get("prompt_meta") or {}))
+
+
+def resolve_model(model: str, store_path: str | Path, task: str) -> Path:
+    """``model`` as a folder; ``"tiny"`` means ``STORE/../tiny-model``, built for ``task`` if absent."""
+    if model != TINY_MODEL:
+        path = Path(model)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"--model {model}: no config.json in that folder")
+        return path
+    path = Path(store_path).resolve().parent / "tiny-model"
+    if not (path / "config.json").is_file():
+        from trainer.models.tiny import make_tiny_model
+
+        print(f"building a tiny {task} model into {path}")
+        make_tiny_model(path, task=task, seed=0)
+    return path
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    """Run ``rolloutstore generate`` from parsed arguments and print the closing summary line."""
+    from rolloutstore import RolloutStore
+
+    store = RolloutStore.open(args.store, create=True)
+    model = resolve_model(args.model, args.store, args.task)
+    summary = generate_rollouts(
+        store,
+        model=model,
+        task=args.task,
+        prompts=args.prompts,
+        group_size=args.group_size,
+        policy_version=args.policy_version,
+        backend=args.backend,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+        batch_prompts=args.batch_prompts,
+        run_id=args.run_id,
+        policy_id=args.policy_id,
+        progress=not args.quiet,
+    )
+    print(summary.line())
+
+
+def add_generate_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``generate`` on an ``add_subparsers()`` object; ``args.func(args)`` runs it."""
+    p = subparsers.add_parser(
+        "generate", help="sample scored rollouts from a model into a store (vLLM or transformers)"
+    )
+    p.add_argument("store")
+    p.add_argument(
+        "--model",
+        required=True,
+        help="checkpoint folder, or 'tiny' (built into STORE/../tiny-model)",
+    )
+    p.add_argument("--task", default="arith", help="task name (arith, countdown, ...)")
+    p.add_argument("--prompts", type=int, default=256, help="number of prompts to draw")
+    p.add_argument("--group-size", type=int, default=8, help="completions per prompt")
+    p.add_argument("--policy-version", type=int, default=0)
+    p.add_argument("--policy-id", default=None)
+    p.add_argument("--backend", choices=BACKENDS, default="vllm")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0 disables top-k")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-prompts", type=int, default=64, help="prompts per append")
+    p.add_argument("--run-id", default="default")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_generate)
+    return p
