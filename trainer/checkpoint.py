@@ -138,6 +138,40 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module | None) -> t
     return trainer_state, state
 
 
+# -- resume: the store as the uninterrupted run read it ---------------------------------------
+class ResumeStoreView:
+    """The store a resumed sync run's replay loader reads until it has caught up.
+
+    A run killed after appending a round its newest usable checkpoint predates (a
+    checkpoint between round boundaries, or a fallback past a corrupt checkpoint) left rows
+    in the store that the uninterrupted run had not yet seen when it took the steps the
+    resumed run retakes. Up to its next round that run drew from the version recorded in
+    the checkpoint, and after each round from the version that round's last batch
+    committed; :attr:`store` is a read-only snapshot at that version while the live store
+    holds more, and the live store itself once the run has caught up (or never fell behind).
+    """
+
+    def __init__(self, live, version: int | None):
+        self.live = live
+        self.version = version if version is not None and live.version > version else None
+        self.store = live if self.version is None else live.checkout(self.version)
+
+    def after_round(self, run_id: str, policy_version: int) -> bool:
+        """Move past the round this run generated at ``policy_version`` (all of it now in the
+        live store); True when :attr:`store` changed (restart the loader's iterator)."""
+        if self.version is None:
+            return False
+        quoted = run_id.replace("'", "''")
+        rows = f"run_id = '{quoted}' AND policy_version = {int(policy_version)}"
+        want, latest = self.live.count(rows), self.live.version
+        v = self.version
+        while v < latest and self.live.checkout(v).count(rows) < want:
+            v += 1
+        old, self.version = self.version, (v if v < latest else None)
+        self.store = self.live if self.version is None else self.live.checkout(self.version)
+        return self.version != old
+
+
 # -- published weights (learner -> actors) -------------------------------------------------
 def publish_weights(
     weights_dir: str | os.PathLike,

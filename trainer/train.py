@@ -45,7 +45,13 @@ import torch
 from rolloutstore import RolloutStore
 from rolloutstore.replay.loader import ReplayDataset
 
-from .checkpoint import latest_checkpoint, load_checkpoint, publish_weights, save_checkpoint
+from .checkpoint import (
+    ResumeStoreView,
+    latest_checkpoint,
+    load_checkpoint,
+    publish_weights,
+    save_checkpoint,
+)
 from .config import TrainConfig, configured_location, storage_options_from_env
 from .control import ReplayController
 from .distributed import Dist, batch_view, shard_learner, trace, wrap_learner
@@ -221,7 +227,8 @@ def save_run_checkpoint(
         state={
             "policy_version": learner.policy_version,
             "loader": loader.state_dict(),
-            "store_version": store.version,
+            # The version the loader reads (a resumed run catching up reads a snapshot).
+            "store_version": loader.store.version,
             "totals": totals,
             "first_eval": first_eval,
             "config": cfg.to_dict(),
@@ -499,6 +506,9 @@ def _train(cfg: TrainConfig, d: Dist, *, resume: bool, progress: bool) -> TrainR
         cfg, run_dir, run_id, store, task, model_dir, resume, dist=d
     )
     d.barrier()  # rank 0's source imports are in the store before any rank draws
+    # Resume: draw from the store as the uninterrupted run did (see ResumeStoreView).
+    store_view = ResumeStoreView(store, state["store_version"] if state is not None else None)
+    loader.store = store_view.store
     step, totals = (
         0,
         {"generated_tokens": 0, "generated_rollouts": 0, "gen_seconds": 0.0, "train_seconds": 0.0},
@@ -580,6 +590,12 @@ def _train(cfg: TrainConfig, d: Dist, *, resume: bool, progress: bool) -> TrainR
                     if controller is not None:
                         controller.observe_round_reward(summary.mean_reward)
                 d.barrier()  # every rank draws from the store version with this round in it
+                if store_view.after_round(run_id, learner.policy_version):
+                    # Resume catching up: the snapshot moved on to just after this round.
+                    it.close()
+                    loader.store = store_view.store
+                    loader.load_state_dict(loader.state_dict())
+                    it = iter(loader)
                 next_round, rnd = step + y, rnd + 1
             t0 = time.perf_counter()
             batch = next(it)
