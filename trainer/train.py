@@ -507,7 +507,7 @@ def _train(cfg: TrainConfig, d: Dist, *, resume: bool, progress: bool) -> TrainR
     )
     d.barrier()  # rank 0's source imports are in the store before any rank draws
     # Resume: draw from the store as the uninterrupted run did (see ResumeStoreView).
-    store_view = ResumeStoreView(store, state["store_version"] if state is not None else None)
+    store_view = ResumeStoreView(store, run_id, state)
     loader.store = store_view.store
     step, totals = (
         0,
@@ -590,7 +590,7 @@ def _train(cfg: TrainConfig, d: Dist, *, resume: bool, progress: bool) -> TrainR
                     if controller is not None:
                         controller.observe_round_reward(summary.mean_reward)
                 d.barrier()  # every rank draws from the store version with this round in it
-                if store_view.after_round(run_id, learner.policy_version):
+                if store_view.after_round(learner.policy_version):
                     # Resume catching up: the snapshot moved on to just after this round.
                     it.close()
                     loader.store = store_view.store
