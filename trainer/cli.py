@@ -18,6 +18,7 @@ import sys
 import tomllib
 from pathlib import Path
 
+from .checkpoint import CheckpointError
 from .config import ConfigError, TrainConfig
 
 
@@ -193,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         args.func(args)
-    except (ConfigError, FileNotFoundError) as exc:
+    except (ConfigError, CheckpointError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0
