@@ -70,6 +70,9 @@ class GenerateSummary:
     ``tokens`` counts completion tokens; ``tokens_per_s`` is ``tokens / seconds`` with
     ``seconds`` the wall time of generation, scoring, embedding and appends (not building or
     stopping the backend). ``store_version`` is the store's version after the last append.
+    ``rollouts``, ``tokens`` and ``mean_reward`` cover every batch of the call, also those an
+    earlier (killed) call with the same ``id_namespace`` appended and this one skipped, so a
+    resumed run counts a round as the uninterrupted run did.
     """
 
     rollouts: int
@@ -251,17 +254,23 @@ def generate_rollouts(
         pending = None
         waited = 0.0
 
+        def count(rows) -> None:
+            # Rewards as the store holds them (float32), so that a batch counted again from
+            # the store after a crash (below) adds exactly what it added when generated.
+            nonlocal rollouts, tokens, reward_sum
+            rollouts += len(rows)
+            tokens += sum(len(r["completion_ids"]) for r in rows)
+            reward_sum += sum(float(np.float32(r["reward"])) for r in rows)
+
         def finish(p) -> None:
-            nonlocal version, rollouts, tokens, reward_sum, waited
+            nonlocal version, waited
             b, fut, rows = p
             t0 = time.perf_counter()
             version = fut.result().version
             waited += time.perf_counter() - t0
             if on_append is not None:
                 on_append(b)
-            rollouts += len(rows)
-            tokens += sum(len(r["completion_ids"]) for r in rows)
-            reward_sum += sum(r["reward"] for r in rows)
+            count(rows)
             elapsed = time.perf_counter() - start
             bar.update(len(rows))
             bar.set_postfix(
@@ -276,6 +285,12 @@ def generate_rollouts(
                     first = deterministic_uuid7(f"{id_namespace}/b{b}/0", id_time_ms)
                     if store.count(filter=f"rollout_id = '{first}'"):
                         # Already appended by an earlier (crashed) attempt: batches are atomic.
+                        # It counts as generated (totals, round reward) as it did then.
+                        ids = [
+                            deterministic_uuid7(f"{id_namespace}/b{b}/{k}", id_time_ms)
+                            for k in range(len(batch) * group_size)
+                        ]
+                        count(_stored_rows(store, ids))
                         bar.update(len(batch) * group_size)
                         continue
                 rows = gen.generate(
@@ -318,6 +333,16 @@ def generate_rollouts(
         store_version=version,
         store_wait_s=waited,
     )
+
+
+def _stored_rows(store: Any, ids: list[str]) -> list[dict[str, Any]]:
+    """Rollouts ``ids`` as stored (completion ids and reward), in the order of ``ids``."""
+    quoted = ", ".join(f"'{i}'" for i in ids)  # our own UUIDs: no quotes inside
+    t = store.dataset().to_table(
+        columns=["rollout_id", "completion_ids", "reward"], filter=f"rollout_id IN ({quoted})"
+    )
+    rows = {r["rollout_id"]: r for r in t.to_pylist()}
+    return [rows[i] for i in ids]
 
 
 def _finish_rows(

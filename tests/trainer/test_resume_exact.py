@@ -10,6 +10,7 @@ out); tests/trainer/test_train.py covers real SIGKILLs.
 
 from __future__ import annotations
 
+import json
 import tomllib
 
 import pytest
@@ -52,8 +53,18 @@ def config(run_dir, *, upr: int, every: int) -> TrainConfig:
     return TrainConfig.from_dict(tomllib.loads(text))
 
 
-def final_weights(run_dir) -> bytes:
-    return (run_dir / "checkpoints" / f"step-{STEPS:09d}" / "model.safetensors").read_bytes()
+def final(run_dir) -> tuple[bytes, dict, dict]:
+    """Final weights, generation totals, and each round's last logged (rollouts, tokens, reward)."""
+    ckpt = run_dir / "checkpoints" / f"step-{STEPS:09d}"
+    totals = json.loads((ckpt / "state.json").read_text())["totals"]
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rounds = {
+        r["round"]: (r["rollouts"], r["tokens"], r["reward"])
+        for r in records
+        if r["kind"] == "generate"
+    }
+    counts = {k: v for k, v in totals.items() if not k.endswith("seconds")}
+    return (ckpt / "model.safetensors").read_bytes(), counts, rounds
 
 
 def run_killed_then_resumed(run_dir, cfg: TrainConfig, fault: str, monkeypatch) -> None:
@@ -71,12 +82,12 @@ def run_killed_then_resumed(run_dir, cfg: TrainConfig, fault: str, monkeypatch) 
 _REFERENCE: dict[int, tuple] = {}
 
 
-def reference(tmp_path_factory, upr: int) -> tuple[bytes, dict]:
-    """The uninterrupted run's final weights and draws (checkpoints do not change them)."""
+def reference(tmp_path_factory, upr: int) -> tuple:
+    """The uninterrupted run's :func:`final` and draws (checkpoints do not change them)."""
     if upr not in _REFERENCE:
         run_dir = tmp_path_factory.mktemp(f"ref-y{upr}") / "run"
         T.train(config(run_dir, upr=upr, every=STEPS), progress=False)
-        _REFERENCE[upr] = final_weights(run_dir), run_draws(run_dir)
+        _REFERENCE[upr] = final(run_dir), run_draws(run_dir)
     return _REFERENCE[upr]
 
 
@@ -105,9 +116,13 @@ def test_resume_after_a_kill_equals_the_uninterrupted_run(
     tmp_path_factory, monkeypatch, schedule, fault
 ):
     every, upr = schedule
-    want_weights, want_draws = reference(tmp_path_factory, upr)
+    (want_weights, want_totals, want_rounds), want_draws = reference(tmp_path_factory, upr)
     run_dir = tmp_path_factory.mktemp("killed") / "run"
     cfg = config(run_dir, upr=upr, every=every)
     run_killed_then_resumed(run_dir, cfg, fault, monkeypatch)
-    assert final_weights(run_dir) == want_weights
+    weights, totals, rounds = final(run_dir)
+    assert weights == want_weights
     assert run_draws(run_dir) == want_draws
+    # A round the killed run appended counts as generated (token budget, controller reward).
+    assert totals == want_totals
+    assert rounds == want_rounds
