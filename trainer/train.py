@@ -229,7 +229,7 @@ def save_run_checkpoint(
         state={
             "policy_version": learner.policy_version,
             "loader": loader.state_dict(),
-            # The version the loader reads (a resumed run catching up reads a snapshot).
+            # Issue 20: the version the loader reads (a resumed run catching up: a snapshot).
             "store_version": loader.store.version,
             "totals": totals,
             "first_eval": first_eval,
@@ -348,7 +348,7 @@ def setup_learner(
                 f"{imp['source']} (its version {imp['parent_version']} -> this run's -1)"
             )
     ckpt = None
-    if resume:  # the newest undamaged checkpoint, read whole (damaged newer ones: one warning each)
+    if resume:  # issue 20: the newest undamaged checkpoint (damaged newer ones: a warning each)
         ckpt = newest_good_checkpoint(run_dir, warn=None if d.is_main else lambda _line: None)
     if ckpt is None and r.warm_start_steps:
         warm_start(
@@ -407,7 +407,7 @@ def _fault(where: str) -> None:
 # -- the loop ------------------------------------------------------------------------------
 def _run_meta(run_dir: Path, cfg: TrainConfig, resume: bool) -> dict[str, Any]:
     meta_path = run_dir / "run.json"
-    remove_abandoned_saves(run_dir)  # .tmp-step-* folders of saves a kill interrupted
+    remove_abandoned_saves(run_dir)  # issue 20: .tmp-step-* folders of saves a kill cut short
     if meta_path.exists():
         meta = json.loads(meta_path.read_text())
         if not resume and latest_checkpoint(run_dir) is not None:
@@ -427,7 +427,7 @@ def _run_meta(run_dir: Path, cfg: TrainConfig, resume: bool) -> dict[str, Any]:
 
 def _check_world_size(run_dir: Path, d: Dist) -> None:
     """Refuse to resume a run with a different number of learner ranks than wrote it."""
-    found = saved_state(run_dir)  # the newest readable state.json (damaged ones are skipped)
+    found = saved_state(run_dir)  # issue 20: the newest readable state.json (skips damaged)
     if found is None:
         return
     ckpt, state = found
@@ -512,7 +512,7 @@ def _train(cfg: TrainConfig, d: Dist, *, resume: bool, progress: bool) -> TrainR
         cfg, run_dir, run_id, store, task, model_dir, resume, dist=d
     )
     d.barrier()  # rank 0's source imports are in the store before any rank draws
-    # Resume: draw from the store as the uninterrupted run did (see ResumeStoreView).
+    # Issue 20: draw from the store as the uninterrupted run did (see ResumeStoreView).
     store_view = ResumeStoreView(store, run_id, state)
     loader.store = store_view.store
     step, totals = (
@@ -597,7 +597,7 @@ def _train(cfg: TrainConfig, d: Dist, *, resume: bool, progress: bool) -> TrainR
                         controller.observe_round_reward(summary.mean_reward)
                 d.barrier()  # every rank draws from the store version with this round in it
                 if store_view.after_round(learner.policy_version):
-                    # Resume catching up: the snapshot moved on to just after this round.
+                    # Issue 20, resume catching up: the snapshot moved on to just after this round.
                     it.close()
                     loader.store = store_view.store
                     loader.load_state_dict(loader.state_dict())
