@@ -32,3 +32,7 @@ class UnsafeExpressionError(TrainerError, ValueError):
 
 class ModelError(TrainerError, FileNotFoundError):
     """A model folder is missing or is not a model folder (no config.json)."""
+
+
+class CheckpointError(TrainerError, ValueError):
+    """A checkpoint folder is damaged (or none of a run's is usable); names the folder."""

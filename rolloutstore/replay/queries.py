@@ -6,7 +6,10 @@ hold the window (see ``Selector``); ``uses`` holds per-rollout use counts.
 
 from __future__ import annotations
 
-from .config import ReplayConfig
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # type hints only: config imports this module's column list
+    from .config import ReplayConfig
 
 # Scalar columns a selection may read or filter on (``where`` may use any of them).
 SCALAR_COLUMNS = [

@@ -70,6 +70,9 @@ class GenerateSummary:
     ``tokens`` counts completion tokens; ``tokens_per_s`` is ``tokens / seconds`` with
     ``seconds`` the wall time of generation, scoring, embedding and appends (not building or
     stopping the backend). ``store_version`` is the store's version after the last append.
+    ``rollouts``, ``tokens`` and ``mean_reward`` cover every batch of the call, also those an
+    earlier (killed) call with the same ``id_namespace`` appended and this one skipped, so a
+    resumed run counts a round as the uninterrupted run did.
     """
 
     rollouts: int
@@ -211,7 +214,10 @@ def generate_rollouts(
                 ids = _BatchIds(id_namespace, b, id_time_ms) if id_namespace is not None else None
                 if ids is not None and store.count(filter=f"rollout_id = '{ids.rollout(0)}'"):
                     # Already appended by an earlier (crashed) attempt: batches are atomic.
-                    bar.update(len(batch) * group_size)
+                    # It counts as generated (totals, round reward) as it did then.
+                    n = len(batch) * group_size
+                    writer.count(_stored_rows(store, [ids.rollout(k) for k in range(n)]))
+                    bar.update(n)
                     continue
                 rows = gen.generate(
                     [p.prompt_text for p in batch], **replace(sampling, seed=seed + b).kwargs()
@@ -296,6 +302,13 @@ class _Writer:
         self._finish()
         self.pending = (b, self.pool.submit(self.store.append, rows), rows)
 
+    def count(self, rows: list[dict[str, Any]]) -> None:
+        # Rewards as the store holds them (float32), so that a batch counted again from the
+        # store after a crash adds exactly what it added when generated.
+        self.rollouts += len(rows)
+        self.tokens += sum(len(r["completion_ids"]) for r in rows)
+        self.reward_sum += sum(float(np.float32(r["reward"])) for r in rows)
+
     def _finish(self) -> None:
         if self.pending is None:
             return
@@ -306,15 +319,23 @@ class _Writer:
         self.waited += time.perf_counter() - t0
         if self.on_append is not None:
             self.on_append(b)
-        self.rollouts += len(rows)
-        self.tokens += sum(len(r["completion_ids"]) for r in rows)
-        self.reward_sum += sum(r["reward"] for r in rows)
+        self.count(rows)
         elapsed = time.perf_counter() - self.start
         self.bar.update(len(rows))
         self.bar.set_postfix(
             reward=f"{self.reward_sum / self.rollouts:.3f}",
             tok_s=f"{self.tokens / max(elapsed, 1e-9):.0f}",
         )
+
+
+def _stored_rows(store: Any, ids: list[str]) -> list[dict[str, Any]]:
+    """Rollouts ``ids`` as stored (completion ids and reward), in the order of ``ids``."""
+    quoted = ", ".join(f"'{i}'" for i in ids)  # our own UUIDs: no quotes inside
+    t = store.dataset().to_table(
+        columns=["rollout_id", "completion_ids", "reward"], filter=f"rollout_id IN ({quoted})"
+    )
+    rows = {r["rollout_id"]: r for r in t.to_pylist()}
+    return [rows[i] for i in ids]
 
 
 def _finish_rows(

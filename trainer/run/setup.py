@@ -19,7 +19,12 @@ from trainer.algo.learner import Learner
 from trainer.config import TrainConfig, configured_location, storage_options_from_env
 from trainer.errors import RunDirError
 from trainer.models.load import check_model_dir, load_model
-from trainer.run.checkpoint import latest_checkpoint, load_checkpoint
+from trainer.run.checkpoint import (
+    latest_checkpoint,
+    newest_good_checkpoint,
+    remove_abandoned_saves,
+    saved_state,
+)
 from trainer.run.distributed import Dist, shard_learner, wrap_learner
 
 
@@ -122,7 +127,9 @@ def setup_learner(
                 f"replaying {imp['rollouts']} rollouts of run {imp['run_id']!r} from "
                 f"{imp['source']} (its version {imp['parent_version']} -> this run's -1)"
             )
-    ckpt = latest_checkpoint(run_dir) if resume else None
+    ckpt = None
+    if resume:  # the newest undamaged checkpoint (damaged newer ones: one warning line each)
+        ckpt = newest_good_checkpoint(run_dir, warn=None if d.is_main else lambda _line: None)
     if ckpt is None and r.warm_start_steps:
         warm_start(
             model, tokenizer, task, steps=r.warm_start_steps, lr=r.warm_start_lr, seed=r.seed
@@ -153,7 +160,7 @@ def setup_learner(
         shard_learner(learner, d)
     state = None
     if ckpt is not None:
-        trainer_state, state = load_checkpoint(ckpt, None if r.fsdp else learner.model)
+        trainer_state, state = ckpt.restore(None if r.fsdp else learner.model)
         learner.load_state_dict(trainer_state["learner"])
         loader.load_state_dict(state["loader"])
     if not r.fsdp:
@@ -163,6 +170,7 @@ def setup_learner(
 
 def run_meta(run_dir: Path, cfg: TrainConfig, resume: bool) -> dict[str, Any]:
     meta_path = run_dir / "run.json"
+    remove_abandoned_saves(run_dir)  # .tmp-step-* folders of saves a kill cut short
     if meta_path.exists():
         meta = json.loads(meta_path.read_text())
         if not resume and latest_checkpoint(run_dir) is not None:
@@ -182,10 +190,11 @@ def run_meta(run_dir: Path, cfg: TrainConfig, resume: bool) -> dict[str, Any]:
 
 def check_world_size(run_dir: Path, d: Dist) -> None:
     """Refuse to resume a run with a different number of learner ranks than wrote it."""
-    ckpt = latest_checkpoint(run_dir)
-    if ckpt is None:
+    found = saved_state(run_dir)  # the newest readable state.json (damaged ones skipped)
+    if found is None:
         return
-    saved = json.loads((ckpt / "state.json").read_text())["loader"].get("world_size", 1)
+    ckpt, state = found
+    saved = state.get("loader", {}).get("world_size", 1)
     if saved != d.world_size:
         how = (
             f"torchrun --nproc-per-node {saved} -m trainer resume {run_dir}"

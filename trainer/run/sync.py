@@ -60,6 +60,7 @@ from trainer.run.setup import (
     setup_learner,
     store_location,
 )
+from trainer.run.store_view import ResumeStoreView
 from trainer.tasks import get_task
 
 # -- metrics -------------------------------------------------------------------------------
@@ -140,6 +141,9 @@ def _train(cfg: TrainConfig, d: Dist, *, resume: bool, progress: bool) -> TrainR
         cfg, run_dir, run_id, store, task, model_dir, resume, dist=d
     )
     d.barrier()  # rank 0's source imports are in the store before any rank draws
+    # Draw from the store as the uninterrupted run did (see trainer.run.store_view).
+    store_view = ResumeStoreView(store, run_id, state)
+    loader.store = store_view.store
     step, totals = (
         0,
         {"generated_tokens": 0, "generated_rollouts": 0, "gen_seconds": 0.0, "train_seconds": 0.0},
@@ -225,6 +229,12 @@ def _train(cfg: TrainConfig, d: Dist, *, resume: bool, progress: bool) -> TrainR
                     if controller is not None:
                         controller.observe_round_reward(summary.mean_reward)
                 d.barrier()  # every rank draws from the store version with this round in it
+                if store_view.after_round(learner.policy_version):
+                    # Resume catching up: the snapshot moved on to just after this round.
+                    it.close()
+                    loader.store = store_view.store
+                    loader.load_state_dict(loader.state_dict())
+                    it = iter(loader)
                 next_round, rnd = step + y, rnd + 1
             t0 = time.perf_counter()
             batch = next(it)
