@@ -196,7 +196,7 @@ def cmd_init(a) -> None:
 
 
 def cmd_ingest(a) -> None:
-    from .ingest import _format, ingest_files
+    from .ingest import ingest_files
 
     rename = {}
     for m in a.map:
@@ -204,15 +204,6 @@ def cmd_ingest(a) -> None:
         if not sep or not src or not dest:
             raise UsageError(f"--map takes SRC=DEST (rename field SRC to DEST), got {m!r}")
         rename[src] = dest
-    for f in a.files:
-        if os.path.isdir(f):
-            raise UsageError(f"{f} is a folder; expected a .jsonl, .jsonl.zst or .parquet file")
-        if not os.path.exists(f):
-            raise UsageError(f"{f}: no such file")
-        try:
-            _format(f)
-        except ValueError as exc:
-            raise UsageError(str(exc)) from exc
 
     def report(r) -> None:
         skipped = f", {r.skipped} skipped as duplicates" if r.skipped else ""
@@ -286,13 +277,13 @@ def cmd_sample(a) -> None:
         cfg = dataclass_from_args(ReplayConfig, a)
     except (ValueError, TypeError) as exc:  # ReplayConfig names the offending option
         raise UsageError(str(exc)) from exc
+    store = _store(a.store)
     if not a.explain:
         if a.batch_size is None and a.max_tokens is None:
             raise UsageError("sample needs --batch-size N or --max-tokens T")
         for flag, v in (("--batch-size", a.batch_size), ("--max-tokens", a.max_tokens)):
             if v is not None and v < 1:
                 raise UsageError(f"{flag} must be >= 1, got {v}")
-    store = _store(a.store)
     sel = Selector(store, cfg, run_id=a.run_id, record_usage=a.record_usage)
     if a.explain:
         print(sel.explain(a.learner_version))

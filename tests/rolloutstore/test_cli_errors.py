@@ -55,7 +55,9 @@ def test_bad_ingest_files(store, tmp_path, kind):
     if kind == "ext":
         target.write_text("a,b\n")
     line = _one_error_line(_cli("ingest", "-q", store.uri, str(target)))
-    assert {"dir": "folder", "ext": "unknown format", "missing": "no such file"}[kind] in line
+    assert {"dir": "a directory", "ext": "unknown extension", "missing": "nothing at that path"}[
+        kind
+    ] in line
     assert store.count() == 12
 
 
