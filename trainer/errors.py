@@ -36,3 +36,16 @@ class ModelError(TrainerError, FileNotFoundError):
 
 class CheckpointError(TrainerError, ValueError):
     """A checkpoint folder is damaged (or none of a run's is usable); names the folder."""
+
+
+class BufferExhaustedError(TrainerError, LookupError):
+    """The replay buffer had no eligible row for a learner step (e.g. every row used
+    ``max_uses`` times): the run stops; its checkpoints stay resumable."""
+
+    def __init__(self, step: int, run_dir, cause: BaseException):
+        super().__init__(
+            f"learner step {step}: the replay buffer has no eligible rows ({cause}); the run "
+            f"stopped and resumes from its newest checkpoint: relax [replay] (max_uses, window, "
+            f"max_staleness, where) or generate more per round ([generation].prompts_per_round), "
+            f"e.g. `rolloutstore-train resume {run_dir} --set replay.max_uses=8`"
+        )

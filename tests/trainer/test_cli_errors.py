@@ -78,3 +78,16 @@ def test_source_store_with_another_embedding_dimension(tmp_path):
         path.read_text().replace("[run]\n", f'[run]\nsources = ["{tmp_path / "other"}"]\n')
     )
     _one_line_error(trainer_cli("train", cfg), "32-dimensional", "64")
+
+
+def test_buffer_exhausted_mid_run_is_one_line_naming_the_fix(tmp_path):
+    # One round of 6 prompts x 4 = 24 rows every 10 steps, each row usable once, 24 per
+    # batch: step 2 finds the buffer empty.
+    cfg = _config(tmp_path)
+    path = Path(cfg)
+    text = path.read_text().replace("max_uses = 3", "max_uses = 1")
+    text = text.replace("steps = 2\n", "steps = 4\nbatch_size = 24\nupdates_per_round = 10\n")
+    path.write_text(text)
+    _one_line_error(
+        trainer_cli("train", cfg), "learner step 2", "no eligible rows", "replay.max_uses"
+    )

@@ -35,13 +35,15 @@ import os
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from rolloutstore import RolloutStore
+from rolloutstore.errors import EmptyBufferError
 from trainer.config import TrainConfig
 from trainer.control import ReplayController
-from trainer.errors import RunDirError
+from trainer.errors import BufferExhaustedError, RunDirError
 from trainer.models.load import check_model_dir
 from trainer.rollout.pipeline import generate_rollouts, resolve_backend
 from trainer.rollout.policy import LivePolicy
@@ -62,14 +64,6 @@ from trainer.run.setup import (
 )
 from trainer.run.store_view import ResumeStoreView
 from trainer.tasks import get_task
-
-# -- metrics -------------------------------------------------------------------------------
-
-
-# -- fault injection (tests only) ------------------------------------------------------------
-
-
-# -- the loop ------------------------------------------------------------------------------
 
 
 def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> TrainResult:
@@ -104,199 +98,247 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> T
         )
     d = dist_from_env()
     try:
-        return _train(cfg, d, resume=resume, progress=progress)
+        return SyncLoop(cfg, d, resume=resume).run(progress=progress)
     finally:
         d.close()
 
 
-def _train(cfg: TrainConfig, d: Dist, *, resume: bool, progress: bool) -> TrainResult:
-    from tqdm.auto import tqdm
+class SyncLoop:
+    """The sync loop of one run on one learner rank: ``SyncLoop(cfg, dist, resume=...).run()``.
 
-    g, r = cfg.generation, cfg.run
-    if r.batch_size < d.world_size:
-        raise RunDirError(
-            f"run.batch_size = {r.batch_size} is the global batch, split across "
-            f"{d.world_size} learner ranks: use at least one row per rank"
+    Setup (run folder, model, store, learner, loader) happens in ``__init__``; ``run`` reads
+    top to bottom: a generation round when the schedule says so, one learner step, metrics,
+    evaluation and checkpoint. :meth:`state_dict` is the loop's own state a checkpoint holds
+    (the step, generation totals, the first evaluation, and the round schedule with the
+    replay controller's state); the learner and loader checkpoint theirs.
+    """
+
+    def __init__(self, cfg: TrainConfig, d: Dist, *, resume: bool):
+        r = cfg.run
+        if r.batch_size < d.world_size:
+            raise RunDirError(
+                f"run.batch_size = {r.batch_size} is the global batch, split across "
+                f"{d.world_size} learner ranks: use at least one row per rank"
+            )
+        self.cfg, self.d, self.main = cfg, d, d.is_main
+        self.run_dir = run_dir = Path(r.dir)
+        self.store_uri, options = store_location(cfg, run_dir)
+        # Rank 0 creates the run folder, model and store; the others open them after the barrier.
+        if d.is_main:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            meta = run_meta(run_dir, cfg, resume)
+            self.model_dir = prepare_model(cfg, run_dir)
+            RolloutStore.open(self.store_uri, storage_options=options)
+        d.barrier()
+        if not d.is_main:
+            meta = json.loads((run_dir / "run.json").read_text())
+            self.model_dir = prepare_model(cfg, run_dir)  # built by rank 0: resolves the path
+        if resume:
+            check_world_size(run_dir, d)
+        self.run_id, self.start_ms = meta["run_id"], meta["start_ms"]
+        self.task = get_task(cfg.task.name, **cfg.task.options)
+        self.store = RolloutStore.open(self.store_uri, storage_options=options)
+        self.learner, self.loader, state = setup_learner(
+            cfg, run_dir, self.run_id, self.store, self.task, self.model_dir, resume, dist=d
         )
-    run_dir = Path(cfg.run.dir)
-    store_uri, options = store_location(cfg, run_dir)
-    # Rank 0 creates the run folder, model and store; the others open them after the barrier.
-    if d.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        meta = run_meta(run_dir, cfg, resume)
-        model_dir = prepare_model(cfg, run_dir)
-        RolloutStore.open(store_uri, storage_options=options)
-    d.barrier()
-    if not d.is_main:
-        meta = json.loads((run_dir / "run.json").read_text())
-        model_dir = prepare_model(cfg, run_dir)  # built by rank 0: only resolves the path
-    if resume:
-        check_world_size(run_dir, d)
-    run_id, start_ms = meta["run_id"], meta["start_ms"]
-    task = get_task(cfg.task.name, **cfg.task.options)
-    store = RolloutStore.open(store_uri, storage_options=options)
-    backend = resolve_backend(g.backend)
+        d.barrier()  # rank 0's source imports are in the store before any rank draws
+        # Draw from the store as the uninterrupted run did (see trainer.run.store_view).
+        self.store_view = ResumeStoreView(self.store, self.run_id, state)
+        self.loader.store = self.store_view.store
+        self.controller = None
+        if cfg.control.enabled:
+            self.controller = ReplayController(
+                cfg.control, updates=r.updates_per_round, fresh=cfg.replay.fresh_fraction
+            )
+        self.load_state_dict(state or {})
+        fresh = self.controller.fresh if self.controller is not None else None
+        if fresh is not None and fresh != self.loader.config.fresh_fraction:
+            self.loader.config = replace(self.loader.config, fresh_fraction=fresh)
+        # Rank 0 is the only generator and the only writer of metrics, checkpoints, weights.
+        self.policy = self.metrics = self.generator = None
+        if self.main:
+            backend = resolve_backend(cfg.generation.backend)
+            self.policy = LivePolicy(
+                backend, cfg.generation, self.task, self.model_dir, run_dir / "weights",
+                self.run_id, seed=r.seed,
+            )  # fmt: skip
+            self.metrics = Metrics(run_dir)
+        self.last_eval = self.first_eval
+        self.it = None
 
-    learner, loader, state = setup_learner(
-        cfg, run_dir, run_id, store, task, model_dir, resume, dist=d
-    )
-    d.barrier()  # rank 0's source imports are in the store before any rank draws
-    # Draw from the store as the uninterrupted run did (see trainer.run.store_view).
-    store_view = ResumeStoreView(store, run_id, state)
-    loader.store = store_view.store
-    step, totals = (
-        0,
-        {"generated_tokens": 0, "generated_rollouts": 0, "gen_seconds": 0.0, "train_seconds": 0.0},
-    )
-    first_eval = None
-    if state is not None:
-        step, totals, first_eval = state["step"], state["totals"], state.get("first_eval")
-    # The round schedule: round `rnd` is generated when `step` reaches `next_round` (before
-    # that step's learner update), then the next one y steps later.
-    controller = None
-    if cfg.control.enabled:
-        controller = ReplayController(
-            cfg.control, updates=r.updates_per_round, fresh=cfg.replay.fresh_fraction
-        )
-    rnd = -(-step // r.updates_per_round)  # checkpoints without a schedule: fixed y
-    next_round = rnd * r.updates_per_round
-    if state is not None and state.get("schedule") is not None:
-        sched = state["schedule"]
-        next_round, rnd = sched["next_round_step"], sched["round"]
-        if controller is not None and sched.get("control") is not None:
-            controller.load_state_dict(sched["control"])
-    if controller is not None and controller.fresh != loader.config.fresh_fraction:
-        loader.config = replace(loader.config, fresh_fraction=controller.fresh)
+    # -- state -------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "totals": self.totals,
+            "first_eval": self.first_eval,
+            "schedule": {
+                "next_round_step": self.next_round,
+                "round": self.rnd,
+                "control": self.controller.state_dict() if self.controller else None,
+            },
+        }
 
-    def done() -> bool:
-        spent = r.max_generated_tokens and totals["generated_tokens"] >= r.max_generated_tokens
-        return step >= r.steps or bool(spent and step == next_round)
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """The loop's part of a checkpoint's ``state.json`` ({} on a fresh run)."""
+        upr = self.cfg.run.updates_per_round
+        self.step = state.get("step", 0)
+        self.totals = state.get("totals") or {
+            "generated_tokens": 0, "generated_rollouts": 0, "gen_seconds": 0.0,
+            "train_seconds": 0.0,
+        }  # fmt: skip
+        self.first_eval = state.get("first_eval")
+        # The round schedule: round `rnd` is generated when `step` reaches `next_round`
+        # (before that step's learner update), then the next one y steps later.
+        self.rnd = -(-self.step // upr)  # checkpoints without a schedule: fixed y
+        self.next_round = self.rnd * upr
+        sched = state.get("schedule")
+        if sched is not None:
+            self.next_round, self.rnd = sched["next_round_step"], sched["round"]
+            if self.controller is not None and sched.get("control") is not None:
+                self.controller.load_state_dict(sched["control"])
 
-    # Rank 0 is the only generator and the only writer of metrics, checkpoints and weights.
-    main = d.is_main
-    policy = (
-        LivePolicy(backend, g, task, model_dir, run_dir / "weights", run_id, seed=cfg.run.seed)
-        if main
-        else None
-    )
-    generator = None
-    metrics = Metrics(run_dir) if main else None
+    # -- the loop ----------------------------------------------------------------------------
+    def run(self, *, progress: bool = True) -> TrainResult:
+        from tqdm.auto import tqdm
 
-    def sync_generator() -> None:
+        r = self.cfg.run
+        if self.first_eval is None:
+            self._evaluate(first=True)
+        self.it = iter(self.loader)
+        bar = tqdm(
+            total=r.steps, initial=self.step, desc="train", unit="step",
+            disable=not (progress and self.main),
+        )  # fmt: skip
+        try:
+            while not self._done():
+                if self.step == self.next_round:
+                    self._round()
+                m = self._learn()
+                crash_at(f"step:{self.step}")
+                bar.update(1)
+                bar.set_postfix(reward=f"{m['reward']:.2f}", loss=f"{m['loss']:.3f}")
+                if (r.eval_every and self.step % r.eval_every == 0) or self._done():
+                    self._evaluate(first=False, write=bar.write)
+                if self.step % r.checkpoint_every == 0 or self._done():
+                    self._checkpoint()
+            weights = self.learner.full_weights()  # sharded: a gather, on every rank
+            if self.main:
+                publish_weights(
+                    self.run_dir / "weights", self.learner.policy_version, weights,
+                    template=self.model_dir,
+                )  # fmt: skip
+        finally:
+            bar.close()
+            if self.main:
+                self.metrics.close()
+                self.policy.close()
+        return TrainResult(self.run_dir, self.store_uri, self.step, self.first_eval, self.last_eval)
+
+    def _done(self) -> bool:
+        r = self.cfg.run
+        budget = r.max_generated_tokens
+        spent = budget and self.totals["generated_tokens"] >= budget
+        return self.step >= r.steps or bool(spent and self.step == self.next_round)
+
+    def _restart_loader(self) -> None:
+        # The selector reads its config and store when iteration starts: restart the
+        # iterator at the same step (draws are functions of the step).
+        self.it.close()
+        self.loader.load_state_dict(self.loader.state_dict())
+        self.it = iter(self.loader)
+
+    def _sync_generator(self) -> None:
         # Every rank calls this: a sharded learner gathers its weights collectively.
-        nonlocal generator
-        weights = learner.full_weights()
-        if not main:
+        weights = self.learner.full_weights()
+        if not self.main:
             return
-        generator = policy.sync(learner, weights)
-        for event in policy.events:  # vLLM: each verified weight update, logged
-            metrics.log("weights", step, event)
-        policy.events.clear()
+        self.generator = self.policy.sync(self.learner, weights)
+        for event in self.policy.events:  # vLLM: each verified weight update, logged
+            self.metrics.log("weights", self.step, event)
+        self.policy.events.clear()
 
-    if first_eval is None:
-        if cfg.task.eval_prompts:
-            sync_generator()
-        if main:
-            first_eval = evaluate(generator, task, cfg)
-            metrics.log("eval", step, {"reward": first_eval, "generated_tokens": 0})
-    it = iter(loader)
-    bar = tqdm(
-        total=r.steps, initial=step, desc="train", unit="step", disable=not (progress and main)
-    )
-    last_eval = first_eval
-    try:
-        while not done():
-            if step == next_round:
-                y = r.updates_per_round
-                if controller is not None:
-                    if rnd > 0:
-                        decision = controller.decide(rnd)
-                        metrics.log("control", step, decision.record())
-                        if decision.new_fresh != decision.old_fresh:
-                            # The selector reads its config when iteration starts: restart
-                            # the iterator at the same step (draws are functions of the step).
-                            it.close()
-                            loader.config = replace(loader.config, fresh_fraction=controller.fresh)
-                            loader.load_state_dict(loader.state_dict())
-                            it = iter(loader)
-                    y = controller.updates
-                sync_generator()
-                if main:
-                    summary = _generation_round(
-                        cfg, store, task, generator, learner.policy_version, step, rnd, run_id,
-                        start_ms, totals, metrics,
-                    )  # fmt: skip
-                    if controller is not None:
-                        controller.observe_round_reward(summary.mean_reward)
-                d.barrier()  # every rank draws from the store version with this round in it
-                if store_view.after_round(learner.policy_version):
-                    # Resume catching up: the snapshot moved on to just after this round.
-                    it.close()
-                    loader.store = store_view.store
-                    loader.load_state_dict(loader.state_dict())
-                    it = iter(loader)
-                next_round, rnd = step + y, rnd + 1
-            t0 = time.perf_counter()
-            batch = next(it)
-            m = learner.step(batch)
-            totals["train_seconds"] += time.perf_counter() - t0
-            step += 1
-            trace(d, step, batch, learner)
-            view = batch_view(d, batch)  # the global batch's rewards, staleness, run ids
-            m.update(
-                reward=float(view["rewards"].mean()),
-                replay_ratio=(controller.updates if controller else r.updates_per_round)
-                * r.batch_size
-                / (g.prompts_per_round * g.group_size),
-                staleness_hist={
-                    int(k): int(v)
-                    for k, v in zip(*np.unique(view["staleness"], return_counts=True))
-                },
-                store_version=int(batch["store_version"]),
-                from_earlier_runs=float(np.mean(view["run_ids"] != run_id)),
-                learner_ranks=d.world_size,
-                **totals,
-            )
-            if controller is not None:
-                controller.observe_step(m)
-                m.update(updates_per_round=controller.updates, fresh_fraction=controller.fresh)
-            if main:
-                metrics.log("train", step, m)
-            crash_at(f"step:{step}")
-            bar.update(1)
-            bar.set_postfix(reward=f"{m['reward']:.2f}", loss=f"{m['loss']:.3f}")
-            if (r.eval_every and step % r.eval_every == 0) or done():
-                if cfg.task.eval_prompts:
-                    sync_generator()
-                if main:
-                    last_eval = evaluate(generator, task, cfg)
-                    metrics.log("eval", step, {"reward": last_eval, **totals})
-                    bar.write(f"step {step}: eval reward {last_eval:.3f} (start {first_eval:.3f})")
-            if step % r.checkpoint_every == 0 or done():
-                if not learner.sharded:  # sharded: one copy of the weights, no replicas
-                    d.check_replicas(learner.model)  # also the barrier before rank 0 saves
-                learner_state = learner.state_dict()  # sharded: a gather, on every rank
-                if main:
-                    schedule = {
-                        "next_round_step": next_round,
-                        "round": rnd,
-                        "control": controller.state_dict() if controller is not None else None,
-                    }
-                    save_run_checkpoint(
-                        run_dir, step, cfg, learner, loader, store, totals, first_eval, schedule,
-                        learner_state,
-                    )  # fmt: skip
-        weights = learner.full_weights()  # sharded: a gather, on every rank
-        if main:
-            publish_weights(
-                run_dir / "weights", learner.policy_version, weights, template=model_dir
-            )
-    finally:
-        bar.close()
-        if main:
-            metrics.close()
-            policy.close()
-    return TrainResult(run_dir, store_uri, step, first_eval, last_eval)
+    def _round(self) -> None:
+        """Round ``rnd``, due now: y for the next rounds, the generator synced, rows appended."""
+        y, ctl = self.cfg.run.updates_per_round, self.controller
+        if ctl is not None:
+            if self.rnd > 0:
+                decision = ctl.decide(self.rnd)
+                self.metrics.log("control", self.step, decision.record())
+                if decision.new_fresh != decision.old_fresh:
+                    self.loader.config = replace(self.loader.config, fresh_fraction=ctl.fresh)
+                    self._restart_loader()
+            y = ctl.updates
+        self._sync_generator()
+        if self.main:
+            summary = _generation_round(
+                self.cfg, self.store, self.task, self.generator, self.learner.policy_version,
+                self.step, self.rnd, self.run_id, self.start_ms, self.totals, self.metrics,
+            )  # fmt: skip
+            if ctl is not None:
+                ctl.observe_round_reward(summary.mean_reward)
+        self.d.barrier()  # every rank draws from the store version with this round in it
+        if self.store_view.after_round(self.learner.policy_version):
+            # Resume catching up: the snapshot moved on to just after this round.
+            self.loader.store = self.store_view.store
+            self._restart_loader()
+        self.next_round, self.rnd = self.step + y, self.rnd + 1
+
+    def _learn(self) -> dict[str, Any]:
+        """One learner step on the next batch; its train record (logged on rank 0)."""
+        g, r, ctl = self.cfg.generation, self.cfg.run, self.controller
+        t0 = time.perf_counter()
+        try:
+            batch = next(self.it)
+        except EmptyBufferError as exc:
+            raise BufferExhaustedError(self.step + 1, self.run_dir, exc) from exc
+        m = self.learner.step(batch)
+        self.totals["train_seconds"] += time.perf_counter() - t0
+        self.step += 1
+        trace(self.d, self.step, batch, self.learner)
+        view = batch_view(self.d, batch)  # the global batch's rewards, staleness, run ids
+        y = ctl.updates if ctl else r.updates_per_round
+        stale = np.unique(view["staleness"], return_counts=True)
+        m.update(
+            reward=float(view["rewards"].mean()),
+            replay_ratio=y * r.batch_size / (g.prompts_per_round * g.group_size),
+            staleness_hist={int(k): int(v) for k, v in zip(*stale)},
+            store_version=int(batch["store_version"]),
+            from_earlier_runs=float(np.mean(view["run_ids"] != self.run_id)),
+            learner_ranks=self.d.world_size,
+            **self.totals,
+        )
+        if ctl is not None:
+            ctl.observe_step(m)
+            m.update(updates_per_round=ctl.updates, fresh_fraction=ctl.fresh)
+        if self.main:
+            self.metrics.log("train", self.step, m)
+        return m
+
+    def _evaluate(self, *, first: bool, write=print) -> None:
+        if self.cfg.task.eval_prompts:
+            self._sync_generator()
+        if not self.main:
+            return
+        reward = evaluate(self.generator, self.task, self.cfg)
+        if first:
+            self.first_eval = self.last_eval = reward
+            self.metrics.log("eval", self.step, {"reward": reward, "generated_tokens": 0})
+        else:
+            self.last_eval = reward
+            self.metrics.log("eval", self.step, {"reward": reward, **self.totals})
+            write(f"step {self.step}: eval reward {reward:.3f} (start {self.first_eval:.3f})")
+
+    def _checkpoint(self) -> None:
+        learner, d = self.learner, self.d
+        if not learner.sharded:  # sharded: one copy of the weights, no replicas
+            d.check_replicas(learner.model)  # also the barrier before rank 0 saves
+        learner_state = learner.state_dict()  # sharded: a gather, on every rank
+        if self.main:
+            save_run_checkpoint(
+                self.run_dir, self.step, self.cfg, learner, self.loader, self.store,
+                self.totals, self.first_eval, self.state_dict()["schedule"], learner_state,
+            )  # fmt: skip
 
 
 def _generation_round(
