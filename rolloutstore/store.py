@@ -473,91 +473,19 @@ class RolloutStore:
         Deletions are one new version; earlier versions stay readable until compaction
         with cleanup.
         """
+        from .evict import evict_rows
+        from .rescore import newest_rewards
+
         self._check_writable()
-        if keep_last is None and older_than is None and min_policy_version is None:
-            raise ValueError("evict needs keep_last, older_than or min_policy_version")
-        ds = self._rollouts()
-        before = ds.count_rows()
-        preds = []
-        if min_policy_version is not None:
-            preds.append(f"policy_version < {int(min_policy_version)}")
-        if older_than is not None:
-            cutoff = (
-                older_than if isinstance(older_than, datetime) else (datetime.now(UTC) - older_than)
-            )
-            if cutoff.tzinfo is None:
-                cutoff = cutoff.replace(tzinfo=UTC)
-            stamp = cutoff.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S.%f")
-            preds.append(f"created_at < TIMESTAMP '{stamp}'")
-        if preserve_diversity is not False:
-            before_ts = cutoff if older_than is not None else None
-            return self._evict_diverse(
-                ds, keep_last, preserve_diversity, before_ts, min_policy_version
-            )
-        if keep_last is not None:
-            if keep_last < 0:
-                raise ValueError(f"keep_last must be >= 0, got {keep_last}")
-            pred = self._keep_last_predicate(ds, keep_last)
-            if pred:
-                preds.append(pred)
-        if preds:
-            ds.delete(" OR ".join(f"({p})" for p in preds))
-        self._ds_cache = None
-        after = self._rollouts()
-        return EvictResult(before - after.count_rows(), after.count_rows(), after.version)
-
-    def _evict_diverse(self, ds, keep, config, before, min_policy_version) -> EvictResult:
-        from .rescore import apply_rewards, newest_rewards
-        from .retention import plan_retention, read_rows, rule_mask
-
-        if keep is None:
-            raise ValueError("evict(preserve_diversity=...) needs keep_last (the rows to keep)")
-        if not isinstance(keep, int) or keep < 0:
-            raise ValueError(f"keep_last must be an int >= 0, got {keep!r}")
-        if not isinstance(config, RetentionConfig):
-            if config is not True:
-                raise TypeError(
-                    "preserve_diversity must be True, False or a RetentionConfig, "
-                    f"got {type(config).__name__}"
-                )
-            config = RetentionConfig()
-        # "Correct" answers are judged by each rollout's newest re-scoring.
-        table = apply_rewards(read_rows(ds), newest_rewards(self))
-        dropped = rule_mask(table, before=before, min_policy_version=min_policy_version)
-        plan = plan_retention(table, keep, config, dropped=dropped)
-        if plan.delete is not None:
-            ds.delete(plan.delete)  # one filter, one commit
+        before, report = evict_rows(
+            self._rollouts(), lambda: newest_rewards(self), keep_last=keep_last,
+            older_than=older_than, min_policy_version=min_policy_version,
+            preserve_diversity=preserve_diversity,
+        )  # fmt: skip
         self._ds_cache = None
         after = self._rollouts()
         left = after.count_rows()
-        return EvictResult(table.num_rows - left, left, after.version, plan.report)
-
-    @staticmethod
-    def _keep_last_predicate(ds: lance.LanceDataset, keep: int) -> str | None:
-        if ds.count_rows() <= keep:
-            return None
-        if keep == 0:
-            return "true"
-        from .sql import connect, run
-
-        pv, ts, rid = (
-            run(
-                connect({"rollouts": ds}),
-                "SELECT policy_version, epoch_us(created_at) AS ts, rollout_id FROM rollouts "
-                "ORDER BY policy_version DESC, created_at DESC, rollout_id DESC "
-                "LIMIT 1 OFFSET ?",
-                [keep - 1],
-            )
-            .to_pylist()[0]
-            .values()
-        )
-        stamp = datetime.fromtimestamp(ts / 1e6, UTC).strftime("%Y-%m-%d %H:%M:%S.%f")
-        t = f"TIMESTAMP '{stamp}'"
-        rid = rid.replace("'", "''")
-        return (
-            f"policy_version < {pv} OR (policy_version = {pv} AND (created_at < {t} OR "
-            f"(created_at = {t} AND rollout_id < '{rid}')))"
-        )
+        return EvictResult(before - left, left, after.version, report)
 
     # -- reading -------------------------------------------------------------------------
     def connect(self):
