@@ -32,3 +32,12 @@ class UnsafeExpressionError(TrainerError, ValueError):
 
 class ModelError(TrainerError, FileNotFoundError):
     """A model folder is missing or is not a model folder (no config.json)."""
+
+
+class TaskError(TrainerError, ValueError):
+    """A task cannot be built or used: a bad field mapping, an unknown reward, a prompt its
+    tokenizer cannot render; names the file, row or setting and the fix."""
+
+
+class TaskFileError(TrainerError, FileNotFoundError):
+    """A task's prompt file (or dataset folder) does not exist."""

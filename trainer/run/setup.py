@@ -21,6 +21,7 @@ from trainer.errors import RunDirError
 from trainer.models.load import check_model_dir, load_model
 from trainer.run.checkpoint import latest_checkpoint, load_checkpoint
 from trainer.run.distributed import Dist, shard_learner, wrap_learner
+from trainer.tasks.chat import render_prompts
 
 
 @dataclass(frozen=True)
@@ -37,11 +38,13 @@ def warm_start(
 ) -> list[float]:
     """Supervised steps on task solutions so that early rewards are not all zero.
 
-    Prompt and answer are tokenized separately and concatenated, exactly as the
-    generator sees them; only answer tokens (and EOS) carry loss.
+    Prompt (chat-rendered as the generator sees it) and answer are tokenized separately and
+    concatenated; only answer tokens (and EOS) carry loss.
     """
     torch.manual_seed(seed)
-    prompts = task.make_prompts(steps * batch, seed=seed + 7_919)
+    prompts = render_prompts(
+        tokenizer, task.make_prompts(steps * batch, seed=seed + 7_919), task.chat_template
+    )
     eos = tokenizer.eos_token_id
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     model.train()
@@ -71,11 +74,15 @@ def warm_start(
 
 
 def evaluate(generator, task, cfg: TrainConfig) -> float:
-    """Mean reward on held-out prompts (one sample each, training temperature, fixed seed)."""
+    """Mean reward on held-out prompts (the task's eval split, rendered as in generation; one
+    sample each, training temperature, fixed seed)."""
     n = cfg.task.eval_prompts
     if n == 0:
         return float("nan")
-    prompts = task.make_prompts(n, seed=10_000_019 + cfg.run.seed)
+    prompts = render_prompts(
+        generator.tokenizer, task.make_eval_prompts(n, seed=10_000_019 + cfg.run.seed),
+        task.chat_template,
+    )  # fmt: skip
     g = cfg.generation
     sampling = g.sampling(group_size=1, seed=cfg.run.seed + 99)
     rows = generator.generate([p.prompt_text for p in prompts], **sampling.kwargs())
@@ -209,9 +216,13 @@ def prepare_model(cfg: TrainConfig, run_dir: Path) -> Path:
 
         tmp = run_dir / ".model-init-tmp"
         shutil.rmtree(tmp, ignore_errors=True)
+        builtin = cfg.task.name in ("arith", "countdown")
         make_tiny_model(
             tmp,
-            task=cfg.task.name if cfg.task.name in ("arith", "countdown") else "arith",
+            # Other tasks train the tokenizer on their own prompts (a dataset's questions).
+            task=cfg.task.name,
+            task_kwargs=None if builtin else cfg.task.options,
+            chat_template=cfg.task.chat_template is True,
             seed=cfg.model.seed,
             hidden_size=cfg.model.hidden_size,
             num_layers=cfg.model.num_layers,

@@ -60,7 +60,6 @@ from trainer.run.setup import (
     setup_learner,
     store_location,
 )
-from trainer.tasks import get_task
 
 # -- metrics -------------------------------------------------------------------------------
 
@@ -132,7 +131,7 @@ def _train(cfg: TrainConfig, d: Dist, *, resume: bool, progress: bool) -> TrainR
     if resume:
         check_world_size(run_dir, d)
     run_id, start_ms = meta["run_id"], meta["start_ms"]
-    task = get_task(cfg.task.name, **cfg.task.options)
+    task = cfg.task.build()
     store = RolloutStore.open(store_uri, storage_options=options)
     backend = resolve_backend(g.backend)
 
