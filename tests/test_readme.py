@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -58,3 +59,24 @@ def test_python_examples_run(tmp_path, monkeypatch):
         .as_py()
         >= 1
     )
+
+
+def test_own_model_and_data_runs_as_written(tmp_path):
+    """The "Your own model and data" commands, from a folder that has the repository's tools."""
+    root = README.parent
+    (tmp_path / "tools").symlink_to(root / "tools")
+    (tmp_path / "my-run.toml").write_text(_block("<!-- own-data", "toml"))
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+    commands = [c for c in _block("<!-- own-data", "bash").splitlines() if c.strip()]
+    assert len(commands) == 4
+    for cmd in commands:
+        p = subprocess.run(cmd, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True)
+        assert p.returncode == 0, f"{cmd}\n{p.stdout}\n{p.stderr}"
+    rows = [json.loads(line) for line in p.stdout.splitlines()]
+    assert len(rows) == 2
+    for row in rows:
+        assert row["prompt_text"].startswith("<|user|>\n")  # the tiny model's chat template
+        assert row["prompt_text"].endswith("<|assistant|>\n")
+        info = json.loads(row["reward_info"])
+        assert info["reward_fn"] == "math" and info["reward_fn_version"].startswith("math-verify/")

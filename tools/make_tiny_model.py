@@ -36,6 +36,11 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help='JSON object, e.g. \'{"path": "p.jsonl"}\'',
     )
+    parser.add_argument(
+        "--chat-template",
+        action="store_true",
+        help="give the tokenizer a simple chat template (as an instruct model's has)",
+    )
     args = parser.parse_args(argv)
     try:
         out = make_tiny_model(
@@ -50,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
             intermediate_size=args.intermediate_size,
             max_position_embeddings=args.max_position_embeddings,
             task_kwargs=args.task_kwargs,
+            chat_template=args.chat_template,
         )
     except ValueError as exc:
         parser.error(str(exc))

@@ -31,6 +31,8 @@ from trainer.algo.optim import OptimConfig
 from trainer.control import ControlConfig
 from trainer.errors import ConfigError
 from trainer.rollout.sampling import GenerationConfig
+from trainer.tasks import Task, get_task
+from trainer.tasks.chat import check_chat_mode
 
 Mode = Literal["sync", "async"]
 
@@ -50,13 +52,23 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class TaskConfig:
-    name: str = _h("task with a verifiable reward: arith, countdown, file", "arith")
-    options: dict = _h("the task's own options (e.g. max_digits)", {})
+    name: str = _h("task with a verifiable reward: arith, countdown, dataset (file)", "arith")
+    options: dict = _h("the task's own options (e.g. max_digits; dataset: path, reward)", {})
     eval_prompts: int = _h("held-out prompts scored greedily-free at each eval", 64)
+    chat_template: bool | str = _h(
+        'render prompts with the tokenizer\'s chat template: true, false, or "auto" (when '
+        "the tokenizer has one)",
+        "auto",
+    )
 
     def __post_init__(self) -> None:
         if self.eval_prompts < 0:
             raise ValueError(f"eval_prompts must be >= 0, got {self.eval_prompts}")
+        check_chat_mode(self.chat_template)
+
+    def build(self) -> Task:
+        """The configured task (its options and chat-template mode)."""
+        return get_task(self.name, chat_template=self.chat_template, **self.options)
 
 
 @dataclass(frozen=True)

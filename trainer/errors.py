@@ -49,3 +49,12 @@ class BufferExhaustedError(TrainerError, LookupError):
             f"max_staleness, where) or generate more per round ([generation].prompts_per_round), "
             f"e.g. `rolloutstore-train resume {run_dir} --set replay.max_uses=8`"
         )
+
+
+class TaskError(TrainerError, ValueError):
+    """A task cannot be built or used: a bad field mapping, an unknown reward, a prompt its
+    tokenizer cannot render; names the file, row or setting and the fix."""
+
+
+class TaskFileError(TrainerError, FileNotFoundError):
+    """A task's prompt file (or dataset folder) does not exist."""

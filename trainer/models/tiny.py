@@ -26,17 +26,34 @@ PAD_TOKEN = "<|pad|>"
 # vLLM's CPU attention kernels only accept a few head sizes; 64 is the smallest common one.
 REQUIRED_HEAD_DIM = 64
 # unk is left out: byte-level BPE never emits it, and Qwen2Tokenizer invents a default one.
+# The chat template of make_tiny_model(chat_template=True): ChatML-like turns in plain-text
+# markers (no extra special tokens, so the vocabulary and the fingerprint stay the same).
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
 
 
-def _training_texts(task: str, seed: int, n: int, task_kwargs: Mapping[str, Any]) -> list[str]:
+def _training_texts(
+    task: str, seed: int, n: int, task_kwargs: Mapping[str, Any], chat_template: str | None
+) -> list[str]:
     from trainer.tasks import get_task
 
     prompts = get_task(task, **dict(task_kwargs)).make_prompts(n, seed)
+    render = None
+    if chat_template is not None:
+        import jinja2
+
+        render = jinja2.Template(chat_template).render
     texts = []
     for p in prompts:
+        prompt = p.prompt_text
+        if render is not None:
+            messages = p.messages or ({"role": "user", "content": p.prompt_text},)
+            prompt = render(messages=messages, add_generation_prompt=True)
         # Both answer styles, so "<answer>" tags get merged tokens like the bare answers do.
-        texts.append(f"{p.prompt_text} {p.answer}")
-        texts.append(f"{p.prompt_text} <answer>{p.answer}</answer>")
+        texts.append(f"{prompt} {p.answer}")
+        texts.append(f"{prompt} <answer>{p.answer}</answer>")
     return texts
 
 
@@ -125,12 +142,15 @@ def make_tiny_model(
     max_position_embeddings: int = 4096,
     num_texts: int = 4000,
     task_kwargs: Mapping[str, Any] | None = None,
+    chat_template: bool | str = False,
 ) -> Path:
     """Write a tokenizer + random Qwen2ForCausalLM to ``path`` and return it.
 
     The tokenizer is trained on ``num_texts`` prompts of ``task`` (built with ``task_kwargs``)
     drawn with ``seed``; the weights are initialised under ``torch.manual_seed(seed)`` without
-    disturbing the caller's global RNG.
+    disturbing the caller's global RNG. ``chat_template``: ``True`` gives the tokenizer
+    :data:`CHAT_TEMPLATE` (saved with it, like an instruct model's), a string gives that Jinja
+    template, ``False`` none (the prompts of tokenizers without one are fed as plain text).
     """
     _validate(
         hidden_size,
@@ -147,7 +167,15 @@ def make_tiny_model(
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
     # Draw the texts first so a bad task name fails before anything is written.
-    texts = _training_texts(task, seed, num_texts, task_kwargs or {})
+    if chat_template is True:
+        template: str | None = CHAT_TEMPLATE
+    elif chat_template is False or chat_template is None:
+        template = None
+    elif isinstance(chat_template, str) and chat_template:
+        template = chat_template
+    else:
+        raise ValueError(f"chat_template must be a bool or a Jinja string, got {chat_template!r}")
+    texts = _training_texts(task, seed, num_texts, task_kwargs or {}, template)
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -159,6 +187,8 @@ def make_tiny_model(
         raise ValueError(
             f"tokenizer has {len(tokenizer)} tokens, more than vocab_size={vocab_size}"
         )
+    if template is not None:
+        tokenizer.chat_template = template
     tokenizer.save_pretrained(out)
     patch_tokenizer_config(out / "tokenizer_config.json", max_position_embeddings)
 
@@ -184,6 +214,7 @@ def make_tiny_model(
     meta = {
         "task": task,
         "seed": seed,
+        "chat_template": template is not None,
         "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
         "num_parameters": sum(p.numel() for p in model.parameters()),
     }

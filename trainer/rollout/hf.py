@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from trainer.rollout.sampling import check_generate_args, check_processing
+from trainer.tasks.chat import encode_prompt
 
 LOGPROBS_MODE = "processed_logprobs"
 
@@ -197,7 +198,7 @@ class HFGenerator:
         if not prompts:
             return []
 
-        prompt_ids = [self.tokenizer(p)["input_ids"] for p in prompts]
+        prompt_ids = [encode_prompt(self.tokenizer, p) for p in prompts]
         if any(len(ids) == 0 for ids in prompt_ids):
             raise ValueError("every prompt must tokenize to at least one token")
         rows = [(i, j) for i in range(len(prompts)) for j in range(group_size)]

@@ -42,6 +42,7 @@ from trainer.algo.advantage import group_advantages
 from trainer.rollout.embed import HashingEmbedder
 from trainer.rollout.sampling import SamplingParams, _not_int
 from trainer.tasks import Prompt, Task, get_task
+from trainer.tasks.chat import render_prompts
 
 BACKENDS = ("vllm", "hf")
 TINY_MODEL = "tiny"
@@ -166,7 +167,9 @@ def generate_rollouts(
     ``model`` is a checkpoint folder (the ``backend`` generator is built and, for vLLM, closed
     again here) or an already-built generator, which is used as is (its ``policy_version`` must
     equal ``policy_version``). ``task`` is a task name or :class:`Task`; ``prompts`` a count
-    (drawn with ``task.make_prompts(prompts, seed)``) or explicit :class:`Prompt` objects.
+    (drawn with ``task.make_prompts(prompts, seed)``) or explicit :class:`Prompt` objects, as
+    the task made them: they are rendered here (``task.chat_template``, with the generator's
+    tokenizer; trainer/tasks/chat.py), and the rendered text is what the store records.
     Batch ``b`` of ``batch_prompts`` prompts is sampled with seed ``seed + b``. ``embedder``
     defaults to ``HashingEmbedder(dim=store.embedding_dim)``; it must map a list of token-id
     lists to a ``(N, store.embedding_dim)`` array.
@@ -194,6 +197,11 @@ def generate_rollouts(
         )
         if owned
         else model
+    )
+    # The text the model sees (chat-rendered when the task's template mode says so): it is
+    # what the generator tokenizes, what the store records and what the reward is given.
+    prompt_objs = render_prompts(
+        getattr(gen, "tokenizer", None), prompt_objs, getattr(task_obj, "chat_template", "auto")
     )
     recorded = getattr(gen, "policy_version", policy_version)
     if recorded != policy_version:
@@ -359,9 +367,10 @@ def _finish_rows(
         row["embedding"] = emb[k].tolist()
         row["task"] = task.name or type(task).__name__
         row["run_id"] = run_id
-        row["metadata"] = json.dumps(
-            {"answer": prompt.answer, "prompt_meta": prompt.meta}, sort_keys=True, default=str
-        )
+        meta = {"answer": prompt.answer, "prompt_meta": prompt.meta}
+        if getattr(task, "reward_spec", None) is not None:
+            meta["reward"] = task.reward_spec  # which reward (and revision) scored the row
+        row["metadata"] = json.dumps(meta, sort_keys=True, default=str)
 
 
 def resolve_backend(name: str) -> str:

@@ -42,6 +42,7 @@ import torch
 from trainer.rollout.hf import LOGPROBS_MODE
 from trainer.rollout.sampling import check_generate_args
 from trainer.rollout.vllm_update import EXTENSION, VERIFY_TOLERANCE, WeightUpdateError
+from trainer.tasks.chat import encode_prompt
 
 VERIFY_PROMPTS = ("Compute 1+2. Answer:", "The answer is", "0 1 2 3 4 5 6 7 8 9")
 
@@ -294,7 +295,7 @@ class VLLMGenerator:
             return []
         from vllm import SamplingParams
 
-        prompt_ids = [self.tokenizer(p)["input_ids"] for p in prompts]
+        prompt_ids = [encode_prompt(self.tokenizer, p) for p in prompts]
         for p, ids in zip(prompts, prompt_ids):
             if not ids:
                 raise ValueError("every prompt must tokenize to at least one token")

@@ -30,7 +30,6 @@ from trainer.rollout.pipeline import generate_rollouts, resolve_backend
 from trainer.rollout.policy import HFPolicy, VLLMPolicy
 from trainer.rollout.weights import fetch_weights, latest_weights, read_text
 from trainer.run.faults import actor_crash
-from trainer.tasks import get_task
 
 POLL_SECONDS = 0.2  # sleep while waiting for rows (learner) or weights (actor)
 
@@ -139,7 +138,7 @@ def run_actor(
     )
     run_id, start_ms = meta["run_id"], meta["start_ms"]
     g, r = cfg.generation, cfg.run
-    task = get_task(cfg.task.name, **cfg.task.options)
+    task = cfg.task.build()
     store = RolloutStore.open(store_uri, storage_options=options)
     state_path = state_dir / f"a{actor_id}.json"
     state_path.parent.mkdir(parents=True, exist_ok=True)

@@ -76,7 +76,6 @@ from trainer.run.setup import (
     setup_learner,
     store_location,
 )
-from trainer.tasks import get_task
 
 PUBLISH_EVERY = 1  # learner steps between published weights
 MAX_RESTARTS = 5  # per actor; a crash loop (e.g. a vLLM log-prob mismatch) stops the run
@@ -171,7 +170,7 @@ def async_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True
     meta = run_meta(run_dir, cfg, resume)
     run_id = meta["run_id"]
     model_dir = prepare_model(cfg, run_dir)
-    task = get_task(cfg.task.name, **cfg.task.options)
+    task = cfg.task.build()
     store_uri, options = store_location(cfg, run_dir)
     store = RolloutStore.open(store_uri, storage_options=options)
     r = cfg.run

@@ -26,6 +26,7 @@ from trainer.run.checkpoint import (
     saved_state,
 )
 from trainer.run.distributed import Dist, shard_learner, wrap_learner
+from trainer.tasks.chat import render_prompts
 
 
 @dataclass(frozen=True)
@@ -42,11 +43,13 @@ def warm_start(
 ) -> list[float]:
     """Supervised steps on task solutions so that early rewards are not all zero.
 
-    Prompt and answer are tokenized separately and concatenated, exactly as the
-    generator sees them; only answer tokens (and EOS) carry loss.
+    Prompt (chat-rendered as the generator sees it) and answer are tokenized separately and
+    concatenated; only answer tokens (and EOS) carry loss.
     """
     torch.manual_seed(seed)
-    prompts = task.make_prompts(steps * batch, seed=seed + 7_919)
+    prompts = render_prompts(
+        tokenizer, task.make_prompts(steps * batch, seed=seed + 7_919), task.chat_template
+    )
     eos = tokenizer.eos_token_id
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     model.train()
@@ -76,11 +79,15 @@ def warm_start(
 
 
 def evaluate(generator, task, cfg: TrainConfig) -> float:
-    """Mean reward on held-out prompts (one sample each, training temperature, fixed seed)."""
+    """Mean reward on held-out prompts (the task's eval split, rendered as in generation; one
+    sample each, training temperature, fixed seed)."""
     n = cfg.task.eval_prompts
     if n == 0:
         return float("nan")
-    prompts = task.make_prompts(n, seed=10_000_019 + cfg.run.seed)
+    prompts = render_prompts(
+        generator.tokenizer, task.make_eval_prompts(n, seed=10_000_019 + cfg.run.seed),
+        task.chat_template,
+    )  # fmt: skip
     g = cfg.generation
     sampling = g.sampling(group_size=1, seed=cfg.run.seed + 99)
     rows = generator.generate([p.prompt_text for p in prompts], **sampling.kwargs())
@@ -218,9 +225,14 @@ def prepare_model(cfg: TrainConfig, run_dir: Path) -> Path:
 
         tmp = run_dir / ".model-init-tmp"
         shutil.rmtree(tmp, ignore_errors=True)
+        # The dataset task trains the tiny tokenizer on its own questions; the others keep
+        # the tokenizer they always had (arith's for file, whose runs assume its lengths).
+        own = cfg.task.name == "dataset"
         make_tiny_model(
             tmp,
-            task=cfg.task.name if cfg.task.name in ("arith", "countdown") else "arith",
+            task=cfg.task.name if own or cfg.task.name == "countdown" else "arith",
+            task_kwargs=cfg.task.options if own else None,
+            chat_template=cfg.task.chat_template is True,
             seed=cfg.model.seed,
             hidden_size=cfg.model.hidden_size,
             num_layers=cfg.model.num_layers,

@@ -63,7 +63,6 @@ from trainer.run.setup import (
     store_location,
 )
 from trainer.run.store_view import ResumeStoreView
-from trainer.tasks import get_task
 
 
 def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> TrainResult:
@@ -136,7 +135,7 @@ class SyncLoop:
         if resume:
             check_world_size(run_dir, d)
         self.run_id, self.start_ms = meta["run_id"], meta["start_ms"]
-        self.task = get_task(cfg.task.name, **cfg.task.options)
+        self.task = cfg.task.build()
         self.store = RolloutStore.open(self.store_uri, storage_options=options)
         self.learner, self.loader, state = setup_learner(
             cfg, run_dir, self.run_id, self.store, self.task, self.model_dir, resume, dist=d

@@ -1,9 +1,11 @@
 """Tasks with verifiable rewards and a name -> task registry.
 
 ``get_task("arith")``, ``get_task("countdown", num_numbers=5)`` or
-``get_task("file", path="prompts.jsonl", reward="exact")`` return a :class:`Task` whose
-``make_prompts(n, seed)`` draws prompts and whose ``reward(prompt, completion_text)`` scores a
-completion. Register more with :func:`register_task`.
+``get_task("dataset", path="math.jsonl", reward="math")`` (``file`` is the same task under
+its original name) return a :class:`Task` whose ``make_prompts(n, seed)`` draws prompts and
+whose ``reward(prompt, completion_text)`` scores a completion. ``chat_template`` (``True``,
+``False`` or ``"auto"``) says how its prompts reach a model (trainer/tasks/chat.py). Register
+more with :func:`register_task`.
 """
 
 from __future__ import annotations
@@ -12,20 +14,25 @@ from collections.abc import Callable
 
 from trainer.tasks.arith import ArithConfig, ArithTask
 from trainer.tasks.base import Prompt, RewardResult, Task
+from trainer.tasks.chat import check_chat_mode
 from trainer.tasks.countdown import CountdownConfig, CountdownTask
-from trainer.tasks.file import REWARD_FUNCTIONS, FileTask
+from trainer.tasks.dataset import DatasetTask, FileTask
+from trainer.tasks.rewards import BUILTIN_REWARDS, Reward, get_reward
 
 __all__ = [
-    "REWARD_FUNCTIONS",
+    "BUILTIN_REWARDS",
     "ArithConfig",
     "ArithTask",
     "CountdownConfig",
     "CountdownTask",
+    "DatasetTask",
     "FileTask",
     "Prompt",
+    "Reward",
     "RewardResult",
     "Task",
     "available_tasks",
+    "get_reward",
     "get_task",
     "register_task",
 ]
@@ -33,6 +40,7 @@ __all__ = [
 _REGISTRY: dict[str, Callable[..., Task]] = {
     "arith": ArithTask,
     "countdown": CountdownTask,
+    "dataset": DatasetTask,
     "file": FileTask,
 }
 
@@ -51,10 +59,14 @@ def available_tasks() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def get_task(name: str, **kwargs: object) -> Task:
-    """Build the task registered as ``name``; unknown names raise ValueError listing the options."""
+def get_task(name: str, *, chat_template: bool | str = "auto", **kwargs: object) -> Task:
+    """Build the task registered as ``name`` with its ``chat_template`` mode; unknown names
+    raise ValueError listing the options."""
+    check_chat_mode(chat_template)
     try:
         factory = _REGISTRY[name]
     except KeyError:
         raise ValueError(f"unknown task {name!r}; choose one of {available_tasks()}") from None
-    return factory(**kwargs)
+    task = factory(**kwargs)
+    task.chat_template = chat_template
+    return task

@@ -17,18 +17,35 @@ class Prompt:
     """One task instance: the text fed to the policy and the reference answer it is scored against.
 
     ``meta`` carries task-specific structured data the verifier needs (e.g. countdown's numbers
-    and target) so the reward never has to re-parse ``prompt_text``.
+    and target) so the reward never has to re-parse ``prompt_text``. ``messages`` (OpenAI-style
+    ``{"role", "content"}`` dicts) is set for chat prompts; ``prompt_text`` then holds the last
+    user turn until :func:`trainer.tasks.chat.render_prompts` replaces it with the text the
+    tokenizer's chat template renders (what the model sees, and what the store records).
     """
 
     prompt_text: str
     answer: str
     meta: dict[str, Any] = field(default_factory=dict)
+    messages: tuple[dict[str, str], ...] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.prompt_text, str):
             raise ValueError(f"prompt_text must be a str, got {type(self.prompt_text).__name__}")
         if not isinstance(self.answer, str):
             raise ValueError(f"answer must be a str, got {type(self.answer).__name__}")
+        if self.messages is not None:
+            if isinstance(self.messages, (str, dict)) or not self.messages:
+                raise ValueError("messages must be a non-empty sequence of {role, content} dicts")
+            for k, m in enumerate(self.messages):
+                if not (
+                    isinstance(m, dict)
+                    and isinstance(m.get("role"), str)
+                    and isinstance(m.get("content"), str)
+                ):
+                    raise ValueError(
+                        f"messages[{k}] must be a dict with str role and content: {m!r}"
+                    )
+            object.__setattr__(self, "messages", tuple(dict(m) for m in self.messages))
 
 
 @dataclass(frozen=True)
@@ -44,13 +61,25 @@ class Task(abc.ABC):
 
     Subclasses set ``name`` and implement :meth:`make_prompts` (deterministic in ``seed``) and
     :meth:`reward` (a pure function of the prompt and the completion text).
+
+    ``chat_template`` says how prompts reach a model (``[task] chat_template``): ``True``
+    renders them with the tokenizer's chat template, ``False`` feeds the plain text, ``"auto"``
+    renders when the tokenizer has a template (:func:`trainer.tasks.chat.render_prompts`).
+    ``reward_spec`` names the reward and its version when the task has one to record
+    (``{"name": ..., "version": ...}``); the pipeline writes it into each rollout's metadata.
     """
 
     name: str = ""
+    chat_template: bool | str = "auto"
+    reward_spec: dict[str, str] | None = None
 
     @abc.abstractmethod
     def make_prompts(self, n: int, seed: int) -> list[Prompt]:
         """Return ``n`` prompts; the same ``(n, seed)`` must always give the same prompts."""
+
+    def make_eval_prompts(self, n: int, seed: int) -> list[Prompt]:
+        """Held-out prompts for evaluation; tasks without a held-out split draw fresh ones."""
+        return self.make_prompts(n, seed)
 
     @abc.abstractmethod
     def reward(self, prompt: Prompt, completion_text: str) -> RewardResult:
