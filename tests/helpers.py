@@ -101,3 +101,23 @@ window = 64
 max_uses = 3
 seed = 1
 """
+
+
+def resumable_run_toml(run_id: str, run_keys: str) -> str:
+    """TINY_RUN_TOML plus the [loss], [optim] and [run] the resume tests share: a template
+    with ``{dir}`` and ``{steps}`` left to fill; ``run_keys``: more ``[run]`` lines."""
+    return (
+        TINY_RUN_TOML
+        + """
+[loss]
+entropy_coef = 0.01     # rewards start at 0 (zero advantages): keep the weights moving
+[optim]
+lr = 1e-3
+[run]
+dir = "{dir}"
+"""
+        + f'run_id = "{run_id}"\n'
+        + "id_time_ms = 1700000000000\nsteps = {steps}\n"
+        + run_keys.strip()
+        + "\n"
+    )

@@ -8,7 +8,7 @@ import tomllib
 
 import pytest
 import torch
-from helpers import TINY_RUN_TOML
+from helpers import resumable_run_toml
 
 import trainer.run.checkpoint as C
 import trainer.run.sync as T
@@ -139,25 +139,16 @@ def test_abandoned_saves_are_removed(tmp_path):
 
 # -- a real run: kill it, damage its newest checkpoint, resume ---------------------------------
 STEPS = 8
-RUN = (
-    TINY_RUN_TOML
-    + """
-[loss]
-entropy_coef = 0.01     # rewards start at 0 (zero advantages): keep the weights moving
-[optim]
-lr = 1e-3
-[run]
-dir = "{dir}"
-run_id = "integrity"
-id_time_ms = 1700000000000
-steps = {steps}
+RUN = resumable_run_toml(
+    "integrity",
+    """
 updates_per_round = 2
 batch_size = 8
 checkpoint_every = 3
 keep_checkpoints = 10
 warm_start_steps = 1
 eval_every = 0
-"""
+""",
 )
 
 

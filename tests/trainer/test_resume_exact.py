@@ -14,7 +14,7 @@ import json
 import tomllib
 
 import pytest
-from helpers import TINY_RUN_TOML, run_draws
+from helpers import resumable_run_toml, run_draws
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
@@ -22,25 +22,16 @@ import trainer.run.sync as T
 from trainer.config import TrainConfig
 
 STEPS = 8
-RUN = (
-    TINY_RUN_TOML
-    + """
-[loss]
-entropy_coef = 0.01     # rewards start at 0 (zero advantages): keep the weights moving
-[optim]
-lr = 1e-3
-[run]
-dir = "{dir}"
-run_id = "resume-exact"
-id_time_ms = 1700000000000
-steps = {steps}
+RUN = resumable_run_toml(
+    "resume-exact",
+    """
 updates_per_round = {upr}
 batch_size = 8
 checkpoint_every = {every}
 keep_checkpoints = 10
 warm_start_steps = 1
 eval_every = 0
-"""
+""",
 )
 
 

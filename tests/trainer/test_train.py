@@ -8,30 +8,21 @@ import signal
 from pathlib import Path
 
 import pytest
-from helpers import TINY_RUN_TOML, run_draws, trainer_cli
+from helpers import resumable_run_toml, run_draws, trainer_cli
 
 from rolloutstore import RolloutStore
 from trainer.config import ConfigError, TrainConfig
 
 ROOT = Path(__file__).parents[2]
-SMALL = (
-    TINY_RUN_TOML
-    + """
-[loss]
-entropy_coef = 0.01     # rewards start at 0 (zero advantages): keep the weights moving
-[optim]
-lr = 1e-3
-[run]
-dir = "{dir}"
-run_id = "resume-test"
-id_time_ms = 1700000000000
-steps = {steps}
+SMALL = resumable_run_toml(
+    "resume-test",
+    """
 updates_per_round = 2
 batch_size = 8
 checkpoint_every = 2
 warm_start_steps = 3
 eval_every = 0
-"""
+""",
 )
 
 
