@@ -25,9 +25,12 @@ with exactly the rules of transformers' logits warpers and vLLM's sampler:
    value are all kept);
 3. top-p (on the top-k-filtered logits) sorts them ascending, takes the cumulative softmax and
    drops the tokens at sorted positions where it is <= ``1 - top_p``, always keeping the most
-   likely one (:func:`top_p_keep`). It works on sorted *positions*: of tokens tied at the
-   boundary, those earlier in the (stable, ascending) sort — the lower token ids — go first,
-   as in the samplers, so the kept set is the sampler's one, ties included.
+   likely one (:func:`top_p_keep`). It works on sorted *positions*: tokens tied at the
+   boundary may be split, in the order the samplers' own ``torch.sort`` call puts them (the
+   same call here), so the kept set is the sampler's one, ties included. Two exceptions, both
+   only for logits tied exactly at the top-p boundary: with top-k *and* top-p, vLLM's PyTorch
+   sampler reuses its one sort of the raw logits where transformers (and this module) sort the
+   top-k-masked logits again; and vLLM on GPU may use a Triton top-k/top-p kernel.
 
 Tokens outside the kept set get log-prob ``-inf``; the entropy is that of the processed
 distribution. The kept set is treated as a constant of the logits (no gradient through the
@@ -108,7 +111,9 @@ def top_p_keep(scores: Tensor, top_p: float) -> Tensor:
     logits ascending, softmax, cumulative sum, drop positions whose sum is <= ``1 - top_p``,
     never the last (most likely) one. ``-inf`` entries (top-k) stay dropped.
     """
-    sorted_scores, order = torch.sort(scores, dim=-1, descending=False, stable=True)
+    # The samplers' own (default, not stable) sort: on equal inputs it orders ties the same way,
+    # so a tie at the boundary is split exactly as the sampler split it.
+    sorted_scores, order = torch.sort(scores, dim=-1, descending=False)
     cum = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
     drop_sorted = cum <= (1 - top_p)
     drop_sorted[..., -1] = False
