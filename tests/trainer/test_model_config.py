@@ -63,7 +63,8 @@ def test_engine_options_reach_vllm_names():
         "max_model_len": 1024, "gpu_memory_utilization": 0.3, "kv_cache_gib": 2.0,
         "tensor_parallel_size": 2, "dtype": "auto", "enforce_eager": True,
     }  # fmt: skip
-    assert GenerationConfig().engine_options()["max_model_len"] is None  # from the model
+    auto = GenerationConfig().engine_options()
+    assert auto["max_model_len"] is auto["gpu_memory_utilization"] is auto["kv_cache_gib"] is None
 
 
 def test_auto_rules_on_this_machine():

@@ -87,9 +87,9 @@ class GenerationConfig:
         0,
     )
     gpu_memory_utilization: float = _h(
-        "vLLM on GPU: fraction of the GPU's memory the engine may use (weights + KV cache); "
-        "the sync learner shares the GPU, so leave it room",
-        0.5,
+        "vLLM: fraction of the GPU's memory the engine may use (weights + KV cache); 0: 0.5 on "
+        "GPU (the sync learner shares it), 0.05 on CPU (where the KV cache is kv_cache_gib)",
+        0.0,
     )
     kv_cache_gib: float = _h(
         "vLLM KV cache size in GiB; 0: 0.5 GiB on CPU, gpu_memory_utilization decides on GPU",
@@ -125,8 +125,8 @@ class GenerationConfig:
                 f"beside max_tokens = {self.max_tokens}: raise it (or 0: from the model)"
             )
         g = self.gpu_memory_utilization
-        if isinstance(g, bool) or not isinstance(g, int | float) or not 0 < g <= 1:
-            raise bad("gpu_memory_utilization", "in (0, 1]")
+        if isinstance(g, bool) or not isinstance(g, int | float) or not 0 <= g <= 1:
+            raise bad("gpu_memory_utilization", "in (0, 1] (0: automatic)")
         k = self.kv_cache_gib
         if isinstance(k, bool) or not isinstance(k, int | float) or k < 0:
             raise bad("kv_cache_gib", "a number of GiB >= 0 (0: automatic)")
@@ -141,7 +141,7 @@ class GenerationConfig:
         """The vLLM engine keyword arguments of :class:`trainer.rollout.vllm.VLLMGenerator`."""
         return {
             "max_model_len": self.max_model_len or None,
-            "gpu_memory_utilization": float(self.gpu_memory_utilization),
+            "gpu_memory_utilization": float(self.gpu_memory_utilization) or None,
             "kv_cache_gib": float(self.kv_cache_gib) or None,
             "tensor_parallel_size": self.tensor_parallel_size,
             "dtype": self.dtype,
