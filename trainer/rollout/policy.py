@@ -95,6 +95,9 @@ class LivePolicy:
             policy_version=0,
             policy_id=self.run_id,
             attn_implementation=getattr(learner.model.config, "_attn_implementation", None),
+            # A folder with its own code (auto_map) loaded into the learner only with
+            # [model].trust_remote_code, so the generator may run it too.
+            trust_remote_code=bool(getattr(learner.model.config, "auto_map", None)),
         )
 
     def close(self) -> None:

@@ -62,7 +62,8 @@ def warm_start(
             ids[j, : len(s)] = torch.tensor(s)
             lab[j, : len(lb)] = torch.tensor(lb)
             att[j, : len(s)] = 1
-        loss = model(input_ids=ids, attention_mask=att, labels=lab).loss
+        dev = next(model.parameters()).device
+        loss = model(input_ids=ids.to(dev), attention_mask=att.to(dev), labels=lab.to(dev)).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -131,6 +132,7 @@ def setup_learner(
                 f"{imp['source']} (its version {imp['parent_version']} -> this run's -1)"
             )
     ckpt = latest_checkpoint(run_dir) if resume else None
+    model.to(device)  # the warm start runs where the learner will
     if ckpt is None and r.warm_start_steps:
         warm_start(
             model, tokenizer, task, steps=r.warm_start_steps, lr=r.warm_start_lr, seed=r.seed
