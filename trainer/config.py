@@ -37,6 +37,10 @@ from trainer.tasks.chat import check_chat_mode
 Mode = Literal["sync", "async"]
 
 
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+AttnImplementation = Literal["sdpa", "eager", "flash_attention_2"]
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     path: str = _h('"tiny" to build a tiny Qwen2 model for the task, or a model folder', "tiny")
@@ -44,10 +48,52 @@ class ModelConfig:
     num_layers: int = _h("tiny model: layers", 2)
     vocab_size: int = _h("tiny model: tokenizer vocabulary", 512)
     seed: int = _h("tiny model: init seed", 0)
+    dtype: Dtype = _h(
+        "precision the model runs in: auto (bfloat16 on CUDA, float32 on CPU), float32, "
+        "bfloat16, float16 (CUDA only); the learner keeps float32 weights and runs under "
+        "autocast, its LM head and softmax always in float32",
+        "auto",
+    )
+    device: str = _h(
+        "single-process learner and transformers generator: auto (CUDA when available), cpu, "
+        "cuda, cuda:N (torchrun ranks use cuda:LOCAL_RANK)",
+        "auto",
+    )
+    attn_implementation: AttnImplementation = _h(
+        "transformers attention: sdpa, eager, flash_attention_2 (needs flash-attn and CUDA)",
+        "sdpa",
+    )
+    gradient_checkpointing: bool = _h(
+        "recompute activations in backward (less memory, ~30% slower learner steps)", False
+    )
+    trust_remote_code: bool = _h(
+        "run the model folder's own Python code (only for folders you trust)", False
+    )
 
     def __post_init__(self) -> None:
         if self.hidden_size % 64:
             raise ValueError(f"hidden_size must be a multiple of 64, got {self.hidden_size}")
+        for key, kind in (("dtype", Dtype), ("attn_implementation", AttnImplementation)):
+            if getattr(self, key) not in typing.get_args(kind):
+                raise ConfigError(
+                    f"[model].{key} = {getattr(self, key)!r}: choose one of "
+                    f"{', '.join(typing.get_args(kind))}"
+                )
+        if not _valid_device(self.device):
+            raise ConfigError(f"[model].device = {self.device!r}: choose auto, cpu, cuda or cuda:N")
+        for key in ("gradient_checkpointing", "trust_remote_code"):
+            if not isinstance(getattr(self, key), bool):
+                raise ConfigError(
+                    f"[model].{key} must be true or false, got {getattr(self, key)!r}"
+                )
+
+
+def _valid_device(name: object) -> bool:
+    if not isinstance(name, str):
+        return False
+    if name in ("auto", "cpu", "cuda"):
+        return True
+    return name.startswith("cuda:") and name[5:].isdigit()
 
 
 @dataclass(frozen=True)
@@ -163,6 +209,8 @@ def _build(section: str, cls: type, values: dict[str, Any]) -> Any:
         kwargs[key] = value
     try:
         return cls(**kwargs)
+    except ConfigError:
+        raise  # already names [section].key
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"[{section}]: {exc}") from exc
 
@@ -196,6 +244,11 @@ class TrainConfig:
     control: ControlConfig = field(default_factory=ControlConfig)
 
     def __post_init__(self) -> None:
+        if self.generation.dtype == "auto" and self.model.dtype != "auto":
+            # [generation].dtype defaults to the learner's: the generators sample from the
+            # distribution the learner scores.
+            gen = dataclasses.replace(self.generation, dtype=self.model.dtype)
+            object.__setattr__(self, "generation", gen)
         if self.control.enabled and self.run.mode != "sync":
             raise ConfigError(
                 "[replay.control].enabled: the replay-ratio controller drives the sync loop "

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from helpers import ROOT, TINY_RUN_TOML, trainer_cli
 
 from rolloutstore import RolloutStore
@@ -91,3 +92,33 @@ def test_buffer_exhausted_mid_run_is_one_line_naming_the_fix(tmp_path):
     _one_line_error(
         trainer_cli("train", cfg), "learner step 2", "no eligible rows", "replay.max_uses"
     )
+
+
+def test_model_folder_without_tokenizer(tmp_path):
+    (tmp_path / "no-tok").mkdir()
+    (tmp_path / "no-tok" / "config.json").write_text("{}")
+    cfg = _config(tmp_path, model=str(tmp_path / "no-tok"))
+    _one_line_error(trainer_cli("train", cfg), "[model].path", "no tokenizer", "save_pretrained")
+    assert not (tmp_path / "run").exists()
+
+
+def test_dtype_the_device_cannot_run(tmp_path):
+    cfg = _config(tmp_path)
+    path = Path(cfg)
+    path.write_text(
+        path.read_text().replace("[model]\n", '[model]\ndevice = "cpu"\ndtype = "float16"\n', 1)
+    )
+    _one_line_error(trainer_cli("train", cfg), "[model].dtype", "CPU", "bfloat16")
+    assert not (tmp_path / "run").exists()
+
+
+def test_cuda_requested_without_cuda(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("the refusal is for machines without CUDA")
+    cfg = _config(tmp_path)
+    path = Path(cfg)
+    path.write_text(path.read_text().replace("[model]\n", '[model]\ndevice = "cuda"\n', 1))
+    _one_line_error(trainer_cli("train", cfg), "[model].device", "no CUDA", '"auto"')
+    assert not (tmp_path / "run").exists()

@@ -115,7 +115,7 @@ def test_top_k_keeps_ties_and_gives_minus_inf_outside() -> None:
 
 @pytest.mark.parametrize(
     "top_p, kept",
-    [(0.45, [0]), (0.55, [0, 1, 2]), (0.75, [0, 1, 2]), (0.95, [0, 1, 2, 3]), (1.0, [0, 1, 2, 3])],
+    [(0.45, [0]), (0.55, [0, 2]), (0.75, [0, 1, 2]), (0.95, [0, 1, 2, 3]), (1.0, [0, 1, 2, 3])],
 )
 def test_top_p_nucleus_with_ties(top_p: float, kept: list[int]) -> None:
     probs = torch.tensor([0.5, 0.2, 0.2, 0.1], dtype=torch.float64)
@@ -123,7 +123,8 @@ def test_top_p_nucleus_with_ties(top_p: float, kept: list[int]) -> None:
     out = token_logprobs(hidden, weight, torch.arange(4), top_p=top_p, return_entropy=True)
     keep = torch.zeros(4, dtype=torch.bool)
     keep[kept] = True
-    # Renormalised over the kept set; the two tied 0.2 tokens are never split.
+    # Renormalised over the kept set. By sorted position, as the samplers: at 0.55 the tie at
+    # 0.2 is split (here torch.sort puts id 1 first, so it is dropped).
     expected = torch.where(keep, (probs / probs[keep].sum()).log(), -math.inf)
     torch.testing.assert_close(out.logprobs, expected)
     q = probs[keep] / probs[keep].sum()
@@ -310,3 +311,85 @@ def test_gradient_through_excluded_targets_matches_naive() -> None:
     ):
         assert torch.isfinite(a).all()
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+# -- precision and the samplers' top-p -------------------------------------------------------
+
+
+def _tied_logits(seed: int, rows: int = 64, vocab: int = 50) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, vocab, generator=g) * 2
+    x[:, 10:20] = x[:, :1]  # a block of ties with each row's token 0, wherever it falls
+    x[:, 30:33] = x[:, 40:41]
+    return x
+
+
+@pytest.mark.parametrize("top_p", [0.3, 0.6, 0.9, 0.99])
+@pytest.mark.parametrize("top_k", [0, 5, 15])
+def test_top_p_keeps_exactly_what_transformers_and_vllm_keep(top_p: float, top_k: int) -> None:
+    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
+    from trainer.algo.logprobs import _keep_mask
+    from trainer.rollout.hf import process_logits
+
+    logits = _tied_logits(seed=int(top_p * 100) + top_k)
+    ours = _keep_mask(logits, top_k or None, top_p)
+    scores = logits.clone()
+    if top_k:
+        scores = TopKLogitsWarper(top_k)(None, scores)
+    scores = TopPLogitsWarper(top_p)(None, scores)
+    assert torch.equal(ours, scores > float("-inf"))
+    # The generator side's own recomputation uses the same rule.
+    assert torch.equal(process_logits(logits, 1.0, top_p, top_k) > float("-inf"), ours)
+    # Boundary ties are split by position somewhere in these cases (else the test is moot).
+    if top_p == 0.6 and top_k == 0:
+        tied = logits[:, 10:20] == logits[:, :1]
+        split = (ours[:, 10:20] & tied).any(1) & (~ours[:, 10:20] & tied).any(1)
+        assert split.any()
+
+
+def test_top_p_matches_vllm_sampler() -> None:
+    pytest.importorskip("vllm")
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
+
+    from trainer.algo.logprobs import _keep_mask
+
+    logits = _tied_logits(seed=5)
+    # top-p alone. With top-k as well, vLLM keeps its one sort of the raw logits while
+    # transformers (and this module) sort the top-k-masked ones again, so the two samplers may
+    # order a tie differently there; the learner follows transformers (module docstring).
+    for top_k, top_p in [(None, 0.6), (None, 0.9), (None, 0.3)]:
+        k = None if top_k is None else torch.full((logits.shape[0],), top_k)
+        p = torch.full((logits.shape[0],), top_p)
+        theirs = apply_top_k_top_p_pytorch(logits.clone(), k, p, allow_cpu_sync=True)
+        assert torch.equal(_keep_mask(logits, top_k, top_p), theirs > float("-inf"))
+
+
+def test_lm_head_and_softmax_run_in_float32_under_bf16_autocast() -> None:
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 24, 64, generator=g).bfloat16().requires_grad_()
+    weight = (torch.randn(300, 64, generator=g) * 0.2).requires_grad_()  # float32 master
+    targets = torch.randint(0, 300, (2, 24), generator=g)
+    kw = dict(temperature=0.7, top_p=0.95, chunk_size=16, return_entropy=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = token_logprobs(hidden, weight, targets, **kw)
+    assert got.logprobs.dtype == torch.float32
+    h32 = hidden.detach().float().requires_grad_()
+    w32 = weight.detach().clone().requires_grad_()
+    ref = token_logprobs(h32, w32, targets, **kw)  # no autocast: float32 throughout
+    torch.testing.assert_close(got.logprobs, ref.logprobs, rtol=0, atol=1e-6)
+    # A bf16 head would be visibly off: what the rule prevents.
+    bf16_head = torch.log_softmax(
+        (hidden.detach() @ weight.detach().bfloat16().t()).float() / 0.7, -1
+    )
+    full = torch.log_softmax((h32.detach() @ w32.detach().t()) / 0.7, -1)
+    assert (bf16_head - full).abs().max() > 1e-3
+    # Backward runs at the forward's precision: the same gradients as the float32 reference,
+    # the hidden states' in their own dtype.
+    loss = (got.logprobs * 0.1 + got.entropy * 0.01).sum()
+    ref_loss = (ref.logprobs * 0.1 + ref.entropy * 0.01).sum()
+    gh, gw = torch.autograd.grad(loss, [hidden, weight])
+    rh, rw = torch.autograd.grad(ref_loss, [h32, w32])
+    assert gh.dtype == torch.bfloat16 and gw.dtype == torch.float32
+    torch.testing.assert_close(gw, rw, rtol=0, atol=1e-6)
+    torch.testing.assert_close(gh, rh.bfloat16(), rtol=0, atol=0)

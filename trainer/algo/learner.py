@@ -79,7 +79,11 @@ class Learner:
         model: a HuggingFace causal LM with ``model.model`` and a plain ``model.lm_head``.
         loss_cfg: which policy loss (see :mod:`trainer.algo.loss`).
         optim_cfg: optimizer, schedule and micro-batching.
-        device: where the model and batches live; bf16 autocast is used on CUDA only.
+        device: where the model and batches live.
+        compute_dtype: the precision the model runs in: float32 (no autocast), or bfloat16 /
+            float16 (autocast on ``device``; the weights stay as given, float32 master weights in
+            the trainer). None: bfloat16 autocast on CUDA, float32 on CPU. The LM head and the
+            softmax of the log-probs run in float32 regardless (trainer.algo.logprobs).
         temperature, top_k, top_p: the generator's sampling processing, so the learner's
             log-probs are of the distribution the behaviour log-probs came from.
         chunk_size: rows per LM-head chunk in the log-prob computation.
@@ -96,6 +100,7 @@ class Learner:
         optim_cfg: OptimConfig,
         *,
         device: str | torch.device = "cpu",
+        compute_dtype: torch.dtype | None = None,
         temperature: float = 1.0,
         top_k: int | None = None,
         top_p: float | None = None,
@@ -110,6 +115,9 @@ class Learner:
         self.loss_cfg = loss_cfg
         self.optim_cfg = optim_cfg
         self.device = torch.device(device)
+        if compute_dtype is None:
+            compute_dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        self.compute_dtype = compute_dtype
         self.temperature = float(temperature)
         self.top_k, self.top_p, self.chunk_size = top_k, top_p, chunk_size
         self.compute_entropy = compute_entropy or loss_cfg.entropy_coef > 0
@@ -387,8 +395,8 @@ class Learner:
         }
 
     def _autocast(self):
-        if self.device.type == "cuda":
-            return torch.autocast("cuda", dtype=torch.bfloat16)
+        if self.compute_dtype in (torch.bfloat16, torch.float16):
+            return torch.autocast(self.device.type, dtype=self.compute_dtype)
         return nullcontext()
 
     def _logprobs(self, model: Any, mb: dict[str, Any], entropy: bool):

@@ -9,16 +9,28 @@ gradient w.r.t. those logits analytically, and folds that into the gradients of 
 states, the head weight and bias before moving on. Peak extra memory is therefore
 ``O(chunk_size * V)`` in both forward and backward; nothing of size ``T * V`` is ever saved.
 
+Precision: the LM head matmul and the processed softmax run in float32 (float64 for float64
+inputs), whatever the model runs in: under a bf16 autocast (``[model].dtype = "bfloat16"``) the
+transformer body is bf16, but bf16 logits are off by ~1e-2 nats, which would show up as a
+spurious importance ratio on every token. Autocast is disabled inside both the forward and the
+backward of the custom function, so the two run at the same (float32) precision; the gradient
+of the hidden states is returned in their own dtype, the head's in the weight's.
+
 Sampling processors: the generator may have sampled with temperature, top-k and top-p. The
-log-probs returned are under the *processed* distribution the generator actually sampled from:
+log-probs returned are under the *processed* distribution the generator actually sampled from,
+with exactly the rules of transformers' logits warpers and vLLM's sampler:
 
 1. logits are divided by ``temperature``;
-2. top-k keeps every token whose scaled logit is >= the k-th largest one (so ties at the k-th
-   value are all kept and the kept set never depends on sort order);
-3. top-p (on the top-k-renormalised distribution) keeps every token whose probability is >= the
-   smallest probability p* such that the mass of tokens strictly more likely than p*'s token is
-   < top_p. Equivalently, a token is dropped only when the tokens strictly more probable than
-   it already cover ``top_p``; tokens of equal probability are kept or dropped together.
+2. top-k keeps every token whose scaled logit is >= the k-th largest one (ties at the k-th
+   value are all kept);
+3. top-p (on the top-k-filtered logits) sorts them ascending, takes the cumulative softmax and
+   drops the tokens at sorted positions where it is <= ``1 - top_p``, always keeping the most
+   likely one (:func:`top_p_keep`). It works on sorted *positions*: tokens tied at the
+   boundary may be split, in the order the samplers' own ``torch.sort`` call puts them (the
+   same call here), so the kept set is the sampler's one, ties included. Two exceptions, both
+   only for logits tied exactly at the top-p boundary: with top-k *and* top-p, vLLM's PyTorch
+   sampler reuses its one sort of the raw logits where transformers (and this module) sort the
+   top-k-masked logits again; and vLLM on GPU may use a Triton top-k/top-p kernel.
 
 Tokens outside the kept set get log-prob ``-inf``; the entropy is that of the processed
 distribution. The kept set is treated as a constant of the logits (no gradient through the
@@ -41,6 +53,7 @@ __all__ = [
     "packed_target_mask",
     "sequence_logprobs",
     "token_logprobs",
+    "top_p_keep",
 ]
 
 
@@ -91,6 +104,23 @@ def _validate(
         )
 
 
+def top_p_keep(scores: Tensor, top_p: float) -> Tensor:
+    """Boolean mask (shaped like ``scores``) of the tokens top-p keeps, over the last dim.
+
+    transformers' ``TopPLogitsWarper`` and vLLM's sampler, step for step: sort the (processed)
+    logits ascending, softmax, cumulative sum, drop positions whose sum is <= ``1 - top_p``,
+    never the last (most likely) one. ``-inf`` entries (top-k) stay dropped.
+    """
+    # The samplers' own (default, not stable) sort: on equal inputs it orders ties the same way,
+    # so a tie at the boundary is split exactly as the sampler split it.
+    sorted_scores, order = torch.sort(scores, dim=-1, descending=False)
+    cum = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+    drop_sorted = cum <= (1 - top_p)
+    drop_sorted[..., -1] = False
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return ~drop & (scores > float("-inf"))
+
+
 def _keep_mask(scaled: Tensor, top_k: int | None, top_p: float | None) -> Tensor | None:
     """Boolean (N, V) mask of the tokens the sampler could emit, or None when all can."""
     keep: Tensor | None = None
@@ -100,13 +130,7 @@ def _keep_mask(scaled: Tensor, top_k: int | None, top_p: float | None) -> Tensor
         keep = scaled >= kth
     if top_p is not None and top_p < 1.0:
         masked = scaled if keep is None else scaled.masked_fill(~keep, float("-inf"))
-        probs = torch.softmax(masked, dim=-1)
-        sorted_probs = torch.sort(probs, dim=-1, descending=True).values
-        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-        # Thresholding on a probability *value* (not a sorted position) keeps ties together.
-        n_keep = (mass_before < top_p).sum(dim=-1, keepdim=True).clamp(min=1)
-        threshold = sorted_probs.gather(-1, n_keep - 1)
-        keep_p = probs >= threshold
+        keep_p = top_p_keep(masked, top_p)
         keep = keep_p if keep is None else keep & keep_p
     return keep
 
@@ -114,6 +138,16 @@ def _keep_mask(scaled: Tensor, top_k: int | None, top_p: float | None) -> Tensor
 def _softmax_dtype(dtype: torch.dtype) -> torch.dtype:
     # At least float32 (bf16/fp16 softmax is too coarse for log-probs); float64 stays float64.
     return torch.promote_types(dtype, torch.float32)
+
+
+def _head_dtype(hidden: Tensor, weight: Tensor) -> torch.dtype:
+    return torch.promote_types(_softmax_dtype(hidden.dtype), _softmax_dtype(weight.dtype))
+
+
+def _no_autocast(t: Tensor):
+    # Inside the custom function nothing may be autocast: forward and backward must compute in
+    # the same (float32) precision, and the caller's autocast would make the head bf16.
+    return torch.autocast(device_type=t.device.type, enabled=False)
 
 
 def _chunk_stats(
@@ -125,17 +159,15 @@ def _chunk_stats(
     top_k: int | None,
     top_p: float | None,
 ) -> tuple[Tensor, Tensor, Tensor | None, Tensor, Tensor]:
-    """Float32 processed log-softmax of one chunk.
+    """Float32 processed log-softmax of one chunk (``weight``, ``bias``: already float32).
 
     Returns ``(logp (C, V), safe_targets (C,), keep (C, V) or None, target_logp (C,),
     valid (C,))`` where ``valid`` marks non-negative (non-ignored) targets.
     """
-    # The matmul runs in the model's dtype, like the model's own lm_head; only the softmax is
-    # promoted, which is what the generator's sampler saw too.
-    logits = hidden @ weight.t()
+    logits = hidden.to(weight.dtype) @ weight.t()
     if bias is not None:
         logits = logits + bias
-    scaled = logits.to(_softmax_dtype(logits.dtype)) / temperature
+    scaled = logits / temperature
     keep = _keep_mask(scaled, top_k, top_p)
     if keep is not None:
         scaled = scaled.masked_fill(~keep, float("-inf"))
@@ -172,17 +204,21 @@ class _ChunkedHeadLogProbs(torch.autograd.Function):
         with_entropy: bool,
     ) -> tuple[Tensor, Tensor]:
         n = hidden.shape[0]
-        out_dtype = _softmax_dtype(hidden.dtype)
+        out_dtype = _head_dtype(hidden, weight)
         out_logp = torch.empty(n, dtype=out_dtype, device=hidden.device)
         out_ent = torch.zeros(n, dtype=out_dtype, device=hidden.device)
-        for start in range(0, n, chunk_size):
-            stop = min(start + chunk_size, n)
-            logp, _, _, target_logp, _ = _chunk_stats(
-                hidden[start:stop], weight, bias, targets[start:stop], temperature, top_k, top_p
-            )
-            out_logp[start:stop] = target_logp
-            if with_entropy:
-                out_ent[start:stop] = _entropy_from_logp(logp)
+        with _no_autocast(hidden):
+            # One cast of the head per call (a no-op for float32 master weights).
+            w = weight.to(out_dtype)
+            b = None if bias is None else bias.to(out_dtype)
+            for start in range(0, n, chunk_size):
+                stop = min(start + chunk_size, n)
+                logp, _, _, target_logp, _ = _chunk_stats(
+                    hidden[start:stop], w, b, targets[start:stop], temperature, top_k, top_p
+                )
+                out_logp[start:stop] = target_logp
+                if with_entropy:
+                    out_ent[start:stop] = _entropy_from_logp(logp)
         # Only the inputs are saved: O(N*H + V*H), never O(N*V).
         ctx.save_for_backward(hidden, weight, bias, targets)
         ctx.temperature = temperature
@@ -198,47 +234,56 @@ class _ChunkedHeadLogProbs(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad_logp: Tensor | None, grad_ent: Tensor | None) -> tuple:
         hidden, weight, bias, targets = ctx.saved_tensors
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        grad_hidden = torch.zeros_like(hidden) if need_h else None
-        # Accumulate the head gradients in float32 across chunks; cast once at the end.
-        f32 = {"dtype": _softmax_dtype(weight.dtype), "device": weight.device}
-        grad_weight = torch.zeros(weight.shape, **f32) if need_w else None
-        grad_bias = torch.zeros(weight.shape[0], **f32) if need_b else None
-        n = hidden.shape[0]
-        for start in range(0, n, ctx.chunk_size):
-            stop = min(start + ctx.chunk_size, n)
-            h = hidden[start:stop]
-            logp, safe_t, keep, _, valid = _chunk_stats(
-                h, weight, bias, targets[start:stop], ctx.temperature, ctx.top_k, ctx.top_p
-            )
-            p = logp.exp()
-            # d log p_y / d s = onehot(y) - p, with s the processed (scaled, masked) logits.
-            grad_s = torch.zeros_like(p)
-            if grad_logp is not None:
-                g = torch.where(valid, grad_logp[start:stop].to(p.dtype), torch.zeros_like(p[:, 0]))
-                grad_s = grad_s - g[:, None] * p
-                grad_s.scatter_add_(-1, safe_t[:, None], g[:, None])
-            if ctx.with_entropy and grad_ent is not None:
-                # dH/ds_j = -p_j (log p_j + H); dropped tokens have p_j = 0.
-                safe_logp = torch.where(p > 0, logp, torch.zeros_like(logp))
-                ent = -(p * safe_logp).sum(dim=-1, keepdim=True)
-                g_ent = grad_ent[start:stop].to(p.dtype)
-                grad_s = grad_s - g_ent[:, None] * p * (safe_logp + ent)
-            if keep is not None:
-                # Dropped logits were replaced by a constant -inf: no gradient reaches them.
-                grad_s = grad_s * keep
-            grad_z = grad_s / ctx.temperature  # (C, V), softmax dtype
-            if grad_hidden is not None:
-                grad_hidden[start:stop] = grad_z.to(weight.dtype) @ weight
-            if grad_weight is not None:
-                grad_weight.addmm_(grad_z.t(), h.to(grad_z.dtype))
-            if grad_bias is not None:
-                grad_bias += grad_z.sum(dim=0)
+        with _no_autocast(hidden):
+            grads = _head_backward(ctx, hidden, weight, bias, targets, grad_logp, grad_ent)
+        return (*grads, None, None, None, None, None, None)
+
+
+def _head_backward(ctx, hidden, weight, bias, targets, grad_logp, grad_ent):
+    """(grad_hidden, grad_weight, grad_bias) of :class:`_ChunkedHeadLogProbs`, in float32."""
+    need_h, need_w, need_b = ctx.needs_input_grad[:3]
+    f32 = _head_dtype(hidden, weight)
+    w = weight.to(f32)
+    b = None if bias is None else bias.to(f32)
+    grad_hidden = torch.zeros_like(hidden) if need_h else None
+    # Accumulate the head gradients in float32 across chunks; cast once at the end.
+    grad_weight = torch.zeros(weight.shape, dtype=f32, device=weight.device) if need_w else None
+    grad_bias = torch.zeros(weight.shape[0], dtype=f32, device=weight.device) if need_b else None
+    n = hidden.shape[0]
+    for start in range(0, n, ctx.chunk_size):
+        stop = min(start + ctx.chunk_size, n)
+        h = hidden[start:stop]
+        logp, safe_t, keep, _, valid = _chunk_stats(
+            h, w, b, targets[start:stop], ctx.temperature, ctx.top_k, ctx.top_p
+        )
+        p = logp.exp()
+        # d log p_y / d s = onehot(y) - p, with s the processed (scaled, masked) logits.
+        grad_s = torch.zeros_like(p)
+        if grad_logp is not None:
+            g = torch.where(valid, grad_logp[start:stop].to(p.dtype), torch.zeros_like(p[:, 0]))
+            grad_s = grad_s - g[:, None] * p
+            grad_s.scatter_add_(-1, safe_t[:, None], g[:, None])
+        if ctx.with_entropy and grad_ent is not None:
+            # dH/ds_j = -p_j (log p_j + H); dropped tokens have p_j = 0.
+            safe_logp = torch.where(p > 0, logp, torch.zeros_like(logp))
+            ent = -(p * safe_logp).sum(dim=-1, keepdim=True)
+            g_ent = grad_ent[start:stop].to(p.dtype)
+            grad_s = grad_s - g_ent[:, None] * p * (safe_logp + ent)
+        if keep is not None:
+            # Dropped logits were replaced by a constant -inf: no gradient reaches them.
+            grad_s = grad_s * keep
+        grad_z = grad_s / ctx.temperature  # (C, V), float32
+        if grad_hidden is not None:
+            grad_hidden[start:stop] = (grad_z @ w).to(hidden.dtype)
         if grad_weight is not None:
-            grad_weight = grad_weight.to(weight.dtype)
+            grad_weight.addmm_(grad_z.t(), h.to(f32))
         if grad_bias is not None:
-            grad_bias = grad_bias.to(bias.dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
+            grad_bias += grad_z.sum(dim=0)
+    if grad_weight is not None:
+        grad_weight = grad_weight.to(weight.dtype)
+    if grad_bias is not None:
+        grad_bias = grad_bias.to(bias.dtype)
+    return grad_hidden, grad_weight, grad_bias
 
 
 def token_logprobs(
@@ -268,7 +313,8 @@ def token_logprobs(
 
     Returns:
         ``LogProbOutput`` with ``logprobs`` (and ``entropy``) shaped like ``targets``, in float32
-        (float64 if ``hidden`` is float64).
+        (float64 if ``hidden`` or the head is float64), computed in that precision even under
+        autocast.
     """
     _validate(hidden, lm_head_weight, targets, temperature, top_k, top_p, chunk_size, lm_head_bias)
     flat_h = hidden.reshape(-1, hidden.shape[-1])
@@ -308,9 +354,12 @@ def naive_token_logprobs(
     """
     _validate(hidden, lm_head_weight, targets, temperature, top_k, top_p, chunk_size, lm_head_bias)
     flat_h = hidden.reshape(-1, hidden.shape[-1])
-    logp, _, _, target_logp, _ = _chunk_stats(
-        flat_h, lm_head_weight, lm_head_bias, targets.reshape(-1), temperature, top_k, top_p
-    )
+    f32 = _head_dtype(hidden, lm_head_weight)
+    bias = None if lm_head_bias is None else lm_head_bias.to(f32)
+    with _no_autocast(hidden):
+        logp, _, _, target_logp, _ = _chunk_stats(
+            flat_h, lm_head_weight.to(f32), bias, targets.reshape(-1), temperature, top_k, top_p
+        )
     entropy = _entropy_from_logp(logp).reshape(targets.shape) if return_entropy else None
     return LogProbOutput(logprobs=target_logp.reshape(targets.shape), entropy=entropy)
 

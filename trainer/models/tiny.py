@@ -143,8 +143,12 @@ def make_tiny_model(
     num_texts: int = 4000,
     task_kwargs: Mapping[str, Any] | None = None,
     chat_template: bool | str = False,
+    architecture: str = "qwen2",
 ) -> Path:
     """Write a tokenizer + random Qwen2ForCausalLM to ``path`` and return it.
+
+    ``architecture``: qwen2 (default), qwen3, llama or mistral (trainer/models/archs.py); the
+    tokenizer is the same in every case.
 
     The tokenizer is trained on ``num_texts`` prompts of ``task`` (built with ``task_kwargs``)
     drawn with ``seed``; the weights are initialised under ``torch.manual_seed(seed)`` without
@@ -164,8 +168,12 @@ def make_tiny_model(
     if num_texts < 1:
         raise ValueError(f"num_texts must be >= 1, got {num_texts}")
     import torch
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
+    from trainer.models.archs import ARCHITECTURES, model_config
+
+    if architecture not in ARCHITECTURES:
+        raise ValueError(f"architecture must be one of {ARCHITECTURES}, got {architecture!r}")
     # Draw the texts first so a bad task name fails before anything is written.
     if chat_template is True:
         template: str | None = CHAT_TEMPLATE
@@ -192,23 +200,21 @@ def make_tiny_model(
     tokenizer.save_pretrained(out)
     patch_tokenizer_config(out / "tokenizer_config.json", max_position_embeddings)
 
-    config = Qwen2Config(
+    config = model_config(
+        architecture,
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
         max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=False,
-        dtype="float32",
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=None,
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config).to(torch.float32)
+        model = AutoModelForCausalLM.from_config(config).to(torch.float32)
     model.save_pretrained(out, safe_serialization=True)
 
     meta = {

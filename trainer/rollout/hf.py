@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from trainer.algo.logprobs import top_p_keep
 from trainer.rollout.sampling import check_generate_args, check_processing
 from trainer.tasks.chat import encode_prompt
 
@@ -37,10 +38,11 @@ def process_logits(
 ) -> torch.Tensor:
     """Apply temperature, top-k, then top-p to ``(..., vocab)`` logits; filtered entries -> -inf.
 
-    Mirrors the order and tie/threshold rules of transformers' sampling warpers: top-k keeps every
-    logit >= the k-th largest (ties survive); top-p (on the top-k-filtered distribution) drops
-    the tokens whose ascending cumulative probability is <= 1 - top_p, always keeping the
-    most likely token.
+    Mirrors the order and tie/threshold rules of transformers' sampling warpers and vLLM's
+    sampler: top-k keeps every logit >= the k-th largest (ties survive); top-p (on the
+    top-k-filtered distribution) drops the tokens whose ascending cumulative probability is
+    <= 1 - top_p, always keeping the most likely token (:func:`trainer.algo.logprobs.top_p_keep`,
+    which the learner uses too).
     """
     check_processing(temperature, top_p, top_k)
     scores = logits.float()
@@ -50,12 +52,7 @@ def process_logits(
         kth = torch.topk(scores, top_k, dim=-1).values[..., -1:]
         scores = scores.masked_fill(scores < kth, float("-inf"))
     if top_p < 1.0:
-        sorted_scores, order = torch.sort(scores, dim=-1, descending=False)
-        cum = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
-        drop_sorted = cum <= (1 - top_p)
-        drop_sorted[..., -1] = False
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        scores = scores.masked_fill(drop, float("-inf"))
+        scores = scores.masked_fill(~top_p_keep(scores, top_p), float("-inf"))
     return scores
 
 
@@ -96,7 +93,14 @@ def max_logprob_gap(model: Any, rows: list[dict[str, Any]]) -> float:
     Recomputes each row under its own recorded temperature/top-p/top-k with ``model``;
     this is the train/inference mismatch check (0 for a generator that holds ``model``).
     """
-    worst = 0.0
+    return logprob_gaps(model, rows)["max"]
+
+
+def logprob_gaps(model: Any, rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Per-token |behaviour - teacher-forced| log-prob gaps of ``rows`` under ``model``:
+    ``max``, ``mean`` (finite gaps), ``clipped_mean`` (each gap clipped at 1 nat, so a top-p
+    boundary flip counts 1), ``flips`` (tokens -inf on one side only) and ``tokens``."""
+    gaps = []
     with torch.no_grad():
         for r in rows:
             if not r["completion_ids"]:
@@ -111,9 +115,19 @@ def max_logprob_gap(model: Any, rows: list[dict[str, Any]]) -> float:
             )
             if tf.shape != (len(r["completion_ids"]),):
                 raise ValueError(f"teacher-forced shape {tuple(tf.shape)} != completion length")
-            gap = (tf - torch.tensor(r["behavior_logprobs"], dtype=torch.float32)).abs().max()
-            worst = max(worst, float(gap))
-    return worst
+            behaviour = torch.tensor(r["behavior_logprobs"], dtype=torch.float32)
+            gaps.append((tf.cpu() - behaviour).abs())
+    if not gaps:
+        return {"max": 0.0, "mean": 0.0, "clipped_mean": 0.0, "flips": 0, "tokens": 0}
+    g = torch.cat(gaps)
+    finite = g[torch.isfinite(g)]
+    return {
+        "max": float(g.max()),
+        "mean": float(finite.mean()) if finite.numel() else 0.0,
+        "clipped_mean": float(g.clamp(max=1.0).mean()),
+        "flips": int((~torch.isfinite(g)).sum()),
+        "tokens": int(g.numel()),
+    }
 
 
 class HFGenerator:
@@ -122,17 +136,22 @@ class HFGenerator:
     ``max_batch_size`` bounds how many sequences go through one ``generate`` call (the scores
     of every step are kept, ``batch x steps x vocab`` floats); chunks draw from one seeded RNG
     stream, so results do not depend on the host's global RNG state.
+
+    ``device`` and ``dtype`` follow ``[model]``: ``auto`` is CUDA when available, and bfloat16
+    on CUDA, float32 on CPU; the weights are held in ``dtype``.
     """
 
     def __init__(
         self,
         model_path: str | Path,
         *,
-        device: str | torch.device = "cpu",
-        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "auto",
+        dtype: str | torch.dtype = "auto",
         policy_version: int = 0,
         policy_id: str | None = None,
         max_batch_size: int | None = None,
+        attn_implementation: str | None = None,
+        trust_remote_code: bool = False,
     ) -> None:
         if isinstance(policy_version, bool) or not isinstance(policy_version, int):
             raise ValueError(f"policy_version must be an int, got {policy_version!r}")
@@ -141,19 +160,30 @@ class HFGenerator:
         import transformers
         from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+        from trainer.models.load import resolve_device, resolve_dtype
         from trainer.models.tokenizer import tokenizer_fingerprint
 
         self.model_path = Path(model_path)
-        self.device = torch.device(device)
+        self.device = resolve_device(device) if isinstance(device, str) else torch.device(device)
+        if isinstance(dtype, str):
+            dtype = resolve_dtype(dtype, self.device)
+        self.dtype = dtype
         self.policy_version = policy_version
         self.policy_id = policy_id
         self.max_batch_size = max_batch_size
         self.generator_name = f"transformers/{transformers.__version__}"
 
-        self.tokenizer = AutoTokenizer.from_pretrained(str(model_path), local_files_only=True)
+        self.tokenizer = AutoTokenizer.from_pretrained(
+            str(model_path), local_files_only=True, trust_remote_code=trust_remote_code
+        )
         self.tokenizer.padding_side = "left"
+        extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
         model = AutoModelForCausalLM.from_pretrained(
-            str(model_path), dtype=dtype, local_files_only=True
+            str(model_path),
+            dtype=dtype,
+            local_files_only=True,
+            trust_remote_code=trust_remote_code,
+            **extra,
         )
         # Cast explicitly: older transformers ignore the ``dtype`` keyword (it was ``torch_dtype``).
         self.model = model.to(device=self.device, dtype=dtype).eval()

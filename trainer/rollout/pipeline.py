@@ -100,16 +100,24 @@ def make_generator(
     policy_version: int,
     policy_id: str | None = None,
     seed: int = 0,
+    generation: Any = None,
 ) -> Any:
-    """Build the ``backend`` generator ("vllm" or "hf") for the checkpoint folder ``model``."""
+    """Build the ``backend`` generator ("vllm" or "hf") for the checkpoint folder ``model``;
+    ``generation`` (a GenerationConfig) sets the dtype and the vLLM engine options."""
+    opts = {} if generation is None else generation.engine_options()
     if backend == "hf":
         from trainer.rollout.hf import HFGenerator
 
-        return HFGenerator(model, policy_version=policy_version, policy_id=policy_id)
+        return HFGenerator(
+            model, policy_version=policy_version, policy_id=policy_id,
+            dtype=opts.get("dtype", "auto"),
+        )  # fmt: skip
     if backend == "vllm":
         from trainer.rollout.vllm import VLLMGenerator
 
-        return VLLMGenerator(model, policy_version=policy_version, policy_id=policy_id, seed=seed)
+        return VLLMGenerator(
+            model, policy_version=policy_version, policy_id=policy_id, seed=seed, **opts
+        )
     raise ValueError(f"unknown backend {backend!r}; choose one of {list(BACKENDS)}")
 
 

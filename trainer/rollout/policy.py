@@ -15,7 +15,7 @@ from typing import Any
 from trainer.algo.learner import Learner
 from trainer.models.load import load_model
 from trainer.rollout.sampling import GenerationConfig
-from trainer.rollout.vllm_update import VERIFY_TOLERANCE  # no vLLM import: safe without vLLM
+from trainer.rollout.vllm_update import VERIFY_TOLERANCE, verify_tolerance  # no vLLM import
 from trainer.rollout.weights import publish_weights
 from trainer.tasks import Task
 
@@ -29,6 +29,10 @@ class LivePolicy:
     no restart), and each is verified against a teacher-forced recomputation of the
     new weights. A failed check is logged and falls back to publishing the version
     and restarting the engine from it (see :class:`VLLMPolicy`).
+
+    The transformers generator is built at the first sync, on the learner's device, in
+    ``[generation].dtype`` (default the learner's ``[model].dtype``) and with the learner's
+    attention implementation.
     """
 
     def __init__(
@@ -46,11 +50,8 @@ class LivePolicy:
         self.gen = None
         self.version: int | None = None
         self.events: list[dict] = []  # vLLM: one per new version (verification and how loaded)
-        if backend == "hf":
-            from trainer.rollout.hf import HFGenerator
-
-            self.gen = HFGenerator(model_dir, policy_version=0, policy_id=run_id)
-        else:
+        self.generation = generation
+        if backend != "hf":
             # Quiet: one line per generation round would drown the progress bar; a
             # failed verification (and its restart) is still printed.
             self.vllm = VLLMPolicy(generation, task, run_id, seed=seed, verbose=False)
@@ -61,6 +62,8 @@ class LivePolicy:
         if weights is None:
             weights = learner.model.state_dict()
         if self.backend == "hf":
+            if self.gen is None:
+                self.gen = self._hf_generator(learner)
             self.gen.model.load_state_dict(weights)
             self.gen.policy_version = v
         elif self.version != v:
@@ -79,6 +82,23 @@ class LivePolicy:
             )
         self.version = v
         return self.gen
+
+    def _hf_generator(self, learner: Learner):
+        from trainer.models.load import resolve_dtype
+        from trainer.rollout.hf import HFGenerator
+
+        device = learner.device
+        return HFGenerator(
+            self.model_dir,
+            device=device,
+            dtype=resolve_dtype(self.generation.dtype, device, key="[generation].dtype"),
+            policy_version=0,
+            policy_id=self.run_id,
+            attn_implementation=getattr(learner.model.config, "_attn_implementation", None),
+            # A folder with its own code (auto_map) loaded into the learner only with
+            # [model].trust_remote_code, so the generator may run it too.
+            trust_remote_code=bool(getattr(learner.model.config, "auto_map", None)),
+        )
 
     def close(self) -> None:
         if self.backend != "hf":
@@ -134,8 +154,9 @@ class VLLMPolicy:
     verify_logprobs). Later versions are loaded into the running engine
     (VLLMGenerator.update_weights, see trainer/rollout/vllm_update.py), after which a few sampled
     tokens' log-probs must match a teacher-forced recomputation of the new weights within
-    VERIFY_TOLERANCE. An update that fails this check is logged and the engine restarted
-    from the folder, which is verified again; a mismatch there stops the actor.
+    the engine's verify_tolerance (its dtype's: max gap in float32, clipped mean in bf16). An update that fails this check is logged and
+    the engine restarted from the folder, which is verified again; a mismatch there stops the
+    actor. The engine takes its settings from ``[generation]`` (GenerationConfig.engine_options).
     """
 
     def __init__(
@@ -179,7 +200,6 @@ class VLLMPolicy:
                 top_p=g.top_p,
                 top_k=g.top_k,
                 max_tokens=g.max_tokens,
-                tolerance=VERIFY_TOLERANCE,
             )
         except WeightUpdateError as exc:
             print(f"policy version {version}: {exc}; restarting the engine", flush=True)
@@ -199,7 +219,11 @@ class VLLMPolicy:
 
         self.close()
         self.gen = VLLMGenerator(
-            folder, policy_version=version, policy_id=self.run_id, seed=self.seed
+            folder,
+            policy_version=version,
+            policy_id=self.run_id,
+            seed=self.seed,
+            **self.generation.engine_options(),
         )
         self.restarts += 1
         self.last_gap = verify_logprobs(self.gen, folder, self.generation, self.task)
@@ -220,17 +244,21 @@ class VLLMPolicy:
 def verify_logprobs(
     gen: Any, folder: Path, generation: GenerationConfig, task: Task, prompts: int = 2
 ) -> float:
-    """Largest |generator log-prob - teacher-forced log-prob| on a few samples; raises if > tol."""
-    from trainer.rollout.hf import max_logprob_gap
+    """Largest |generator log-prob - teacher-forced log-prob| (float32) on a few samples; raises
+    if above the generator's tolerance (its dtype's, VERIFY_TOLERANCE for float32)."""
+    from trainer.rollout.hf import logprob_gaps
 
     g = generation
     texts = [p.prompt_text for p in task.make_prompts(prompts, seed=123_457)]
     rows = gen.generate(texts, **g.sampling(group_size=2, seed=0).kwargs())
     model, _ = load_model(folder)
-    gap = max_logprob_gap(model, rows)
-    if not gap <= VERIFY_TOLERANCE:
+    gaps = logprob_gaps(model, rows)
+    dtype = getattr(gen, "dtype", None)
+    statistic, tol = ("max", VERIFY_TOLERANCE) if dtype is None else verify_tolerance(dtype)
+    if not gaps[statistic] <= tol:
         raise RuntimeError(
-            f"generator log-probs differ from the teacher-forced ones of {folder} by {gap:.2e} "
-            f"(> {VERIFY_TOLERANCE}); refusing to generate with weights it may not hold"
+            f"generator log-probs differ from the teacher-forced ones of {folder} by "
+            f"{gaps[statistic]:.2e} ({statistic.replace('_', ' ')} gap > {tol}); refusing to "
+            "generate with weights it may not hold"
         )
-    return gap
+    return gaps["max"]

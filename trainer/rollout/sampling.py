@@ -12,8 +12,13 @@ from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 from rolloutstore.cliargs import help_field as _h
+from trainer.errors import ConfigError
 
 Backend = Literal["hf", "vllm", "auto"]
+GenDtype = Literal["auto", "float32", "bfloat16", "float16"]
+# max_model_len when the config leaves it 0: the model's max_position_embeddings, capped here
+# (a 128k-context model would otherwise reserve KV cache for sequences RL never produces).
+MAX_MODEL_LEN_CAP = 8192
 
 
 def _not_int(v: object) -> bool:
@@ -75,6 +80,27 @@ class GenerationConfig:
     max_tokens: int = _h("completion token budget", 16)
     prompts_per_round: int = _h("prompts generated per round", 32)
     batch_prompts: int = _h("prompts per generation call (one atomic append each)", 64)
+    # vLLM engine settings (the transformers backend uses dtype only).
+    max_model_len: int = _h(
+        f"vLLM: longest prompt + completion; 0: the model's max_position_embeddings, at most "
+        f"{MAX_MODEL_LEN_CAP}",
+        0,
+    )
+    gpu_memory_utilization: float = _h(
+        "vLLM: fraction of the GPU's memory the engine may use (weights + KV cache); 0: 0.5 on "
+        "GPU (the sync learner shares it), 0.05 on CPU (where the KV cache is kv_cache_gib)",
+        0.0,
+    )
+    kv_cache_gib: float = _h(
+        "vLLM KV cache size in GiB; 0: 0.5 GiB on CPU, gpu_memory_utilization decides on GPU",
+        0.0,
+    )
+    tensor_parallel_size: int = _h("vLLM: GPUs one engine spans", 1)
+    dtype: GenDtype = _h(
+        "generator precision: auto (the learner's [model].dtype), float32, bfloat16, float16",
+        "auto",
+    )
+    enforce_eager: bool = _h("vLLM: no CUDA graphs (faster start, slower decoding)", False)
 
     def __post_init__(self) -> None:
         if self.backend not in typing.get_args(Backend):
@@ -85,6 +111,42 @@ class GenerationConfig:
         for name in ("prompts_per_round", "batch_prompts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        self._check_engine()
+
+    def _check_engine(self) -> None:
+        def bad(key: str, want: str) -> ConfigError:
+            return ConfigError(f"[generation].{key} must be {want}, got {getattr(self, key)!r}")
+
+        if _not_int(self.max_model_len) or self.max_model_len < 0:
+            raise bad("max_model_len", "an int >= 0 (0: from the model's config)")
+        if 0 < self.max_model_len <= self.max_tokens:
+            raise ConfigError(
+                f"[generation].max_model_len = {self.max_model_len} leaves no room for a prompt "
+                f"beside max_tokens = {self.max_tokens}: raise it (or 0: from the model)"
+            )
+        g = self.gpu_memory_utilization
+        if isinstance(g, bool) or not isinstance(g, int | float) or not 0 <= g <= 1:
+            raise bad("gpu_memory_utilization", "in (0, 1] (0: automatic)")
+        k = self.kv_cache_gib
+        if isinstance(k, bool) or not isinstance(k, int | float) or k < 0:
+            raise bad("kv_cache_gib", "a number of GiB >= 0 (0: automatic)")
+        if _not_int(self.tensor_parallel_size) or self.tensor_parallel_size < 1:
+            raise bad("tensor_parallel_size", "an int >= 1")
+        if self.dtype not in typing.get_args(GenDtype):
+            raise bad("dtype", f"one of {', '.join(typing.get_args(GenDtype))}")
+        if not isinstance(self.enforce_eager, bool):
+            raise bad("enforce_eager", "true or false")
+
+    def engine_options(self) -> dict[str, Any]:
+        """The vLLM engine keyword arguments of :class:`trainer.rollout.vllm.VLLMGenerator`."""
+        return {
+            "max_model_len": self.max_model_len or None,
+            "gpu_memory_utilization": float(self.gpu_memory_utilization) or None,
+            "kv_cache_gib": float(self.kv_cache_gib) or None,
+            "tensor_parallel_size": self.tensor_parallel_size,
+            "dtype": self.dtype,
+            "enforce_eager": self.enforce_eager,
+        }
 
     def sampling(self, *, group_size: int | None = None, seed: int = 0) -> SamplingParams:
         """These settings as generator arguments (``group_size`` overrides, e.g. 1 for evals)."""

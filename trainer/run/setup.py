@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +18,7 @@ from rolloutstore.replay.loader import ReplayDataset
 from trainer.algo.learner import Learner
 from trainer.config import TrainConfig, configured_location, storage_options_from_env
 from trainer.errors import RunDirError
-from trainer.models.load import check_model_dir, load_model
+from trainer.models.load import check_model_dir, load_model, resolve_device, resolve_dtype
 from trainer.run.checkpoint import (
     latest_checkpoint,
     newest_good_checkpoint,
@@ -70,7 +70,8 @@ def warm_start(
             ids[j, : len(s)] = torch.tensor(s)
             lab[j, : len(lb)] = torch.tensor(lb)
             att[j, : len(s)] = 1
-        loss = model(input_ids=ids, attention_mask=att, labels=lab).loss
+        dev = next(model.parameters()).device
+        loss = model(input_ids=ids.to(dev), attention_mask=att.to(dev), labels=lab.to(dev)).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -120,9 +121,17 @@ def setup_learner(
     the loader yields this rank's share of each step and the learner is DDP-wrapped (or,
     with ``run.fsdp``, sharded before the restore, which then re-shards the full checkpoint).
     """
-    g, r = cfg.generation, cfg.run
+    g, r, mc = cfg.generation, cfg.run, cfg.model
     d = dist or Dist()
-    model, tokenizer = load_model(model_dir)
+    # torchrun ranks: cuda:LOCAL_RANK (or the CPU); one process: [model].device.
+    device = d.device if d.enabled else resolve_device(mc.device)
+    # Float32 master weights; the model runs under autocast in [model].dtype (models/load.py).
+    model, tokenizer = load_model(
+        model_dir,
+        dtype=torch.float32,
+        attn_implementation=mc.attn_implementation,
+        trust_remote_code=mc.trust_remote_code,
+    )
     if r.sources and d.is_main:
         from trainer.models.tokenizer import tokenizer_fingerprint
         from trainer.run.sources import import_sources
@@ -137,19 +146,24 @@ def setup_learner(
     ckpt = None
     if resume:  # the newest undamaged checkpoint (damaged newer ones: one warning line each)
         ckpt = newest_good_checkpoint(run_dir, warn=None if d.is_main else lambda _line: None)
+    model.to(device)  # the warm start runs where the learner will
     if ckpt is None and r.warm_start_steps:
         warm_start(
             model, tokenizer, task, steps=r.warm_start_steps, lr=r.warm_start_lr, seed=r.seed
         )
+    optim = cfg.optim
+    if mc.gradient_checkpointing and not optim.grad_checkpointing:
+        optim = replace(optim, grad_checkpointing=True)
     learner = Learner(
         model,
         cfg.loss,
-        cfg.optim,
+        optim,
         temperature=g.temperature,
         top_k=g.top_k or None,
         top_p=g.top_p if g.top_p < 1 else None,
         compute_entropy=True,
-        device=d.device,
+        device=device,
+        compute_dtype=resolve_dtype(mc.dtype, device),
     )
     loader = ReplayDataset(
         store,
