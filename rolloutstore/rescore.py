@@ -204,7 +204,7 @@ def rescore(
     """
     from .sql import check_where, run
 
-    store._check_writable()
+    store.check_writable()
     if where is not None:
         columns = [*store.schema.names, "reward_version"]
         where = check_where(where, columns, n_params=len(params or []))
@@ -232,7 +232,7 @@ def rescore(
         raise RescoreError(f"--where {where!r} with params {params}: {exc}") from exc
     if total == 0:
         return RescoreResult(0, 0, None, None, None, 0)
-    rewards_ds = store._rewards()
+    rewards_ds = store.rewards_table()
     newest = run(con, "SELECT max(reward_version) AS v FROM rewards")["v"][0].as_py()
     version = (newest or 0) + 1
     reader = con.sql(sql, params=bound).to_arrow_reader(BATCH_ROWS)
@@ -331,7 +331,7 @@ def newest_rewards(store: RolloutStore) -> pa.Table | None:
     """Each re-scored rollout's newest (rollout_id, reward_version, reward, advantage), or None."""
     from .sql import REWARDS_NEWEST_SQL
 
-    rewards = store._rewards()
+    rewards = store.rewards_table()
     if not isinstance(rewards, lance.LanceDataset):
         return None
     t = store.sql(REWARDS_NEWEST_SQL.format(where=""))

@@ -245,7 +245,8 @@ class RolloutStore:
             self._ds_cache = self._ds_cache.checkout_version(self._ds_cache.latest_version)
         return self._ds_cache
 
-    def _usage(self) -> lance.LanceDataset:
+    def usage_dataset(self) -> lance.LanceDataset:
+        """The append-only usage table (rollout_id, learner_step, run_id, at)."""
         return self._open_ds(USAGE)
 
     def dataset(self) -> lance.LanceDataset:
@@ -275,7 +276,8 @@ class RolloutStore:
         return self._rollouts().count_rows(filter=filter)
 
     # -- writing -------------------------------------------------------------------------
-    def _check_writable(self) -> None:
+    def check_writable(self) -> None:
+        """Raise ReadOnlyError unless this handle may write (not a snapshot, not torn)."""
         if self._torn is not None:
             bad, good = self._torn
             raise ReadOnlyError(
@@ -299,7 +301,7 @@ class RolloutStore:
         the store is refused (``on_duplicate="error"``) or that row is left out
         (``"skip"``; the result counts it in ``skipped``).
         """
-        self._check_writable()
+        self.check_writable()
         if on_duplicate not in ("error", "skip"):
             raise ValueError(f"on_duplicate must be 'error' or 'skip', got {on_duplicate!r}")
         target = _join(self.uri, ROLLOUTS)
@@ -407,7 +409,7 @@ class RolloutStore:
 
         Old versions stay readable (``checkout``) unless ``cleanup_older_than`` is given.
         """
-        self._check_writable()
+        self.check_writable()
         out = {}
         for name in (ROLLOUTS, USAGE):
             ds = self._open_ds(name)
@@ -439,7 +441,7 @@ class RolloutStore:
 
         Safe with concurrent readers and appenders; see :mod:`rolloutstore.gc`.
         """
-        self._check_writable()
+        self.check_writable()
         if not _is_local(self.uri):
             raise ValueError(
                 f"gc works on local stores; {self.uri!r} is an object store: expire "
@@ -476,7 +478,7 @@ class RolloutStore:
         from .evict import evict_rows
         from .rescore import newest_rewards
 
-        self._check_writable()
+        self.check_writable()
         before, report = evict_rows(
             self._rollouts(), lambda: newest_rewards(self), keep_last=keep_last,
             older_than=older_than, min_policy_version=min_policy_version,
@@ -496,13 +498,13 @@ class RolloutStore:
         return connect(
             {
                 "rollouts": self._rollouts(),
-                "usage": self._usage(),
+                "usage": self.usage_dataset(),
                 "lineage": self._lineage(),
-                "rewards": self._rewards(),
+                "rewards": self.rewards_table(),
             }
         )
 
-    def _rewards(self) -> lance.LanceDataset | pa.Table:
+    def rewards_table(self) -> lance.LanceDataset | pa.Table:
         """The re-scorings table (latest version); empty until the first ``rescore``."""
         target = _join(self.uri, REWARDS)
         if _exists(target, self.storage_options):

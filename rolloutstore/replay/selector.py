@@ -318,7 +318,7 @@ class Selector:
     def _rewards_version(self) -> int | None:
         """Version of the rewards table (None: no re-scoring yet); cheap, read every draw."""
         if self._rewards_ds is None:
-            ds = self.store._rewards()
+            ds = self.store.rewards_table()
             if not isinstance(ds, lance.LanceDataset):
                 return None
             self._rewards_ds = ds
@@ -372,7 +372,7 @@ class Selector:
 
     def _use_counts(self, buf: pa.Table) -> pa.Table:
         """Use counts of the buffer's rollouts: this run's (in memory) plus other runs'."""
-        usage = self.store._usage()
+        usage = self.store.usage_dataset()
         if self._own_uses is None:
             own = self._sql(
                 {"usage": usage},

@@ -250,6 +250,6 @@ def test_usage_log_stays_compact_and_keeps_every_row(store):
     ids = store.sql("SELECT rollout_id FROM rollouts")["rollout_id"].to_pylist()
     for step in range(USAGE_MAX_FRAGMENTS + 5):
         store.record_usage(ids, learner_step=step)
-    assert len(store._usage().get_fragments()) <= USAGE_MAX_FRAGMENTS
+    assert len(store.usage_dataset().get_fragments()) <= USAGE_MAX_FRAGMENTS
     n = store.sql("SELECT count(*) AS n, count(DISTINCT learner_step) AS s FROM usage").to_pylist()
     assert n == [{"n": 3 * (USAGE_MAX_FRAGMENTS + 5), "s": USAGE_MAX_FRAGMENTS + 5}]
