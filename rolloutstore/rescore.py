@@ -184,6 +184,8 @@ def _score(scorer: Scorer, advantage_fn: AdvantageFn, table: pa.Table) -> dict[s
     return {"rewards": np.asarray(rewards, np.float32), "advantages": adv, "infos": infos}
 
 
+# Long by design: check, stream every group through the scorer into uncommitted fragments,
+# then one commit; kept in one function so the single commit boundary stays visible.
 def rescore(
     store: RolloutStore,
     scorer: Any,
@@ -259,20 +261,8 @@ def rescore(
             sum_after += float(new.astype(np.float64).sum())
             changed += int(np.sum(~known | (old != new)))
             n = part.num_rows
-            table = pa.table(
-                {
-                    "rollout_id": part["rollout_id"],
-                    "reward_version": pa.array(np.full(n, version, np.int64)),
-                    "reward": pa.array(new, pa.float32()),
-                    "advantage": pa.array(scored["advantages"], pa.float32()),
-                    "reward_info": pa.array(scored["infos"], pa.string()),
-                    "task": pa.array([name] * n, pa.string()),
-                    "scorer": pa.array([scorer_json] * n, pa.string()),
-                    "note": pa.array([note] * n, pa.string()),
-                    "created_at": pa.array([now] * n, sch.field("created_at").type),
-                },
-                schema=sch,
-            )
+            meta = {"version": version, "task": name, "scorer": scorer_json, "note": note}
+            table = _version_rows(part, scored, sch, created_at=now, **meta)
             fragments += write_fragments(
                 table, target, schema=sch, storage_options=store.storage_options
             )
@@ -298,6 +288,28 @@ def rescore(
         mean_before=sum_before / n_before if n_before else None,
         mean_after=sum_after / n_rows,
         changed=changed,
+    )
+
+
+def _version_rows(
+    part: pa.Table, scored: dict[str, Any], sch: pa.Schema, *, created_at, version: int,
+    task: str, scorer: str, note: str | None,
+) -> pa.Table:  # fmt: skip
+    """The rewards-table rows of one scored part under ``version``."""
+    n = part.num_rows
+    return pa.table(
+        {
+            "rollout_id": part["rollout_id"],
+            "reward_version": pa.array(np.full(n, version, np.int64)),
+            "reward": pa.array(scored["rewards"], pa.float32()),
+            "advantage": pa.array(scored["advantages"], pa.float32()),
+            "reward_info": pa.array(scored["infos"], pa.string()),
+            "task": pa.array([task] * n, pa.string()),
+            "scorer": pa.array([scorer] * n, pa.string()),
+            "note": pa.array([note] * n, pa.string()),
+            "created_at": pa.array([created_at] * n, sch.field("created_at").type),
+        },
+        schema=sch,
     )
 
 

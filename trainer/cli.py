@@ -126,6 +126,7 @@ def cmd_plot(a) -> None:
         print(path)
 
 
+# Long but flat: argparse declarations of each subcommand.
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="rolloutstore-train", description=__doc__.splitlines()[0])
     ap.add_argument(

@@ -129,6 +129,8 @@ def _segment_index(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return seq, pos
 
 
+# Long by design: one pass that pads or packs every per-token and per-row field together,
+# so the layouts cannot drift apart.
 def collate(rows: pa.Table, sel: Selection, idx: np.ndarray, *, pack: bool) -> dict[str, Any]:
     """Tensors for rows ``idx`` of ``sel``; ``rows`` holds exactly those rows, in that order."""
     p_vals, p_off = _flat(rows["prompt_ids"])

@@ -112,6 +112,7 @@ def _actor_source(
     return cfg, meta, store, weights, Path(state_dir or Path(cfg.run.dir) / "actors"), None
 
 
+# Long by design: the actor side of the protocol (trainer.run.async_learner), top to bottom.
 def run_actor(
     source: str | os.PathLike | TrainConfig,
     actor_id: int,

@@ -159,6 +159,7 @@ def _eligible_rows(selector: Selector, learner_version: int) -> int:
         return 0
 
 
+# Long by design: the learner side of the protocol in the module docstring, top to bottom.
 def async_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> TrainResult:
     """Run (or resume) the async loop described in the module docstring (learner side)."""
     from tqdm.auto import tqdm
