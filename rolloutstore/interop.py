@@ -296,6 +296,8 @@ class TextImporter:
                 t["policy_version"] = self.options.policy_version or 0
             if self.options.run_id is not None:
                 t["run_id"] = self.options.run_id
+            if t.get("prompt_messages"):  # kept for `export --as sft|dpo` (TRL chat format)
+                t["metadata"] = {**(t.get("metadata") or {}), "messages": t["prompt_messages"]}
             for name in ("reward_info", "metadata"):
                 if isinstance(t.get(name), (dict, list)):
                     t[name] = json.dumps(t[name], ensure_ascii=False)

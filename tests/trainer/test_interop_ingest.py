@@ -88,8 +88,13 @@ def test_ingest_text_rollouts_then_replay(tmp_path, model_dir, source, capsys):
         q = "What is 1+1?" if source == "trl" else "What is 9-3?"
         assert f"<|user|>\n{q}\n<|assistant|>\n" in {r["prompt_text"] for r in rows}
         assert {r["completion_text"] for r in rows} >= {"1+1=2" if source == "trl" else "9-3=6"}
-    if source == "openai":  # the system turn is part of the prompt
+    if source == "openai":  # the system turn is part of the prompt; turns kept for export
         assert any(r["prompt_text"].startswith("<|system|>\nYou are good") for r in rows)
+        out = tmp_path / "sft.jsonl"
+        assert main(["export", str(uri), str(out), "--as", "sft", "-q"]) == 0
+        sft = [json.loads(line) for line in out.read_text().splitlines()]
+        assert {m["messages"][-1]["content"] for m in sft} == {"4+4=8", "9-3=6"}
+        assert sft[0]["prompt"][-1]["role"] == "user"
 
     # Trainable: a replay batch carries ids, behaviour log-probs and advantages.
     ds = ReplayDataset(store, ReplayConfig(seed=0), batch_size=4, learner_version=3, steps=1,
