@@ -20,6 +20,11 @@ Shapes (``as_``):
     reads back with ``rolloutstore ingest`` losslessly (JSON carries ``created_at``
     as ISO-8601 with ``+00:00``, lists as JSON arrays, float32 values as the
     shortest decimal of their exact double value).
+``sft`` and ``dpo`` use TRL's dataset column names (``prompt``/``completion``,
+``prompt``/``chosen``/``rejected``); when every row is conversational (metadata holds
+the prompt's ``messages``, as ``ingest --from trl|openai`` writes) those columns are lists
+of ``{"role", "content"}`` turns and ``sft`` adds ``messages`` (prompt turns + completion).
+
 ``sft``
     per ``prompt_id``, the completions with the highest reward (ties all kept);
     with ``min_reward`` instead every completion with ``reward >= min_reward``.
