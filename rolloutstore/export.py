@@ -20,6 +20,11 @@ Shapes (``as_``):
     reads back with ``rolloutstore ingest`` losslessly (JSON carries ``created_at``
     as ISO-8601 with ``+00:00``, lists as JSON arrays, float32 values as the
     shortest decimal of their exact double value).
+``sft`` and ``dpo`` use TRL's dataset column names (``prompt``/``completion``,
+``prompt``/``chosen``/``rejected``); when every row is conversational (metadata holds
+the prompt's ``messages``, as ``ingest --from trl|openai`` writes) those columns are lists
+of ``{"role", "content"}`` turns and ``sft`` adds ``messages`` (prompt turns + completion).
+
 ``sft``
     per ``prompt_id``, the completions with the highest reward (ties all kept);
     with ``min_reward`` instead every completion with ``reward >= min_reward``.
@@ -79,28 +84,38 @@ SHAPES: tuple[str, ...] = get_args(ExportShape)
 DEFAULT_MIN_MARGIN = 0.5
 BATCH_ROWS = 4096
 
-SFT_COLUMNS = (
-    "prompt_text",
-    "completion_text",
-    "prompt_ids",
-    "completion_ids",
-    "reward",
-    "prompt_id",
-    "rollout_id",
-)
+# Output columns in TRL's dataset names (trl docs, "Dataset formats and types": prompt-completion
+# {"prompt", "completion"}, preference {"prompt", "chosen", "rejected"}, conversational
+# language modeling {"messages"}); the rest are extra columns TRL's trainers drop.
+# SFT output column -> store column.
+SFT_COLUMNS: dict[str, str] = {
+    "prompt": "prompt_text",
+    "completion": "completion_text",
+    "prompt_ids": "prompt_ids",
+    "completion_ids": "completion_ids",
+    "reward": "reward",
+    "prompt_id": "prompt_id",
+    "rollout_id": "rollout_id",
+}
 # DPO output column -> (alias, store column): alias "c" is the chosen row, "j" the rejected one.
 DPO_COLUMNS: dict[str, tuple[str, str]] = {
+    "prompt": ("c", "prompt_text"),
+    "chosen": ("c", "completion_text"),
+    "rejected": ("j", "completion_text"),
     "prompt_id": ("c", "prompt_id"),
     "group_id": ("c", "group_id"),
     "prompt_ids": ("c", "prompt_ids"),
-    "prompt_text": ("c", "prompt_text"),
     "chosen_ids": ("c", "completion_ids"),
-    "chosen_text": ("c", "completion_text"),
     "chosen_reward": ("c", "reward"),
     "rejected_ids": ("j", "completion_ids"),
-    "rejected_text": ("j", "completion_text"),
     "rejected_reward": ("j", "reward"),
 }
+# Conversational rows (their metadata JSON holds the prompt turns under "messages", as
+# `ingest --from trl|openai` writes for chat prompts): these columns become lists of
+# {"role", "content"} turns, and sft adds "messages" (prompt turns + the completion).
+MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string())])
+CHAT_COLUMNS = ("prompt", "completion", "chosen", "rejected", "messages")
+_TURNS = "__turns"  # the query's extra column: metadata's "messages" as JSON text
 
 
 @dataclass(frozen=True)
@@ -180,11 +195,22 @@ def _check_columns(columns: Sequence[str] | None, allowed: Sequence[str], shape:
     return cols
 
 
-def _output_schema(store_schema: pa.Schema, shape: ExportShape, cols: list[str]) -> pa.Schema:
-    if shape == "dpo":
+def _output_schema(
+    store_schema: pa.Schema, shape: ExportShape, cols: list[str], chat: bool = False
+) -> pa.Schema:
+    if chat:
+        fields = [
+            pa.field(c, pa.list_(MESSAGE))
+            if c in CHAT_COLUMNS
+            else _output_schema(store_schema, shape, [c]).field(c)
+            for c in cols
+        ]
+    elif shape == "dpo":
         fields = [
             store_schema.field(DPO_COLUMNS[c][1]).with_name(c).with_nullable(True) for c in cols
         ]
+    elif shape == "sft":
+        fields = [store_schema.field(SFT_COLUMNS[c]).with_name(c) for c in cols]
     else:
         fields = [store_schema.field(c) for c in cols]
     meta = {k: v for k, v in (store_schema.metadata or {}).items()}
@@ -193,7 +219,11 @@ def _output_schema(store_schema: pa.Schema, shape: ExportShape, cols: list[str])
 
 
 def _build_query(
-    shape: ExportShape, cols: list[str], where: str | None, min_reward: float | None
+    shape: ExportShape,
+    cols: list[str],
+    where: str | None,
+    min_reward: float | None,
+    chat: bool = False,
 ) -> tuple[str, str]:
     """(query, count_query); both take the where's params first, then the shape's."""
     filt = f"WHERE ({where})" if where is not None else ""
@@ -204,8 +234,14 @@ def _build_query(
             f"SELECT {select} FROM rollouts {filt}",
             f"SELECT count(*) FROM rollouts {filt}",
         )
+    turns = f", json_extract(r.metadata, '$.messages')::VARCHAR AS {_TURNS}" if chat else ""
     if shape == "sft":
-        select = ", ".join("r." + _quote(c) for c in cols)
+        select = ", ".join(
+            f"r.{_quote(SFT_COLUMNS[c])} AS {_quote(c)}" for c in cols if c != "messages"
+        )
+        if chat and "messages" in cols and "completion" not in cols:
+            select += (", " if select else "") + 'r."completion_text" AS "completion"'
+        select += turns
         if min_reward is None:
             body = (
                 f"WITH r AS ({base}), "
@@ -221,7 +257,7 @@ def _build_query(
         f"{side}.{_quote(src)} AS {_quote(name)}"
         for name, (side, src) in DPO_COLUMNS.items()
         if name in cols
-    )
+    ) + turns.replace("r.metadata", "c.metadata")
     body = (
         f"WITH r AS ({base}), "
         "k AS (SELECT group_id, rollout_id, reward, "
@@ -373,10 +409,25 @@ def export(
     elif params:
         raise QueryError(f"{len(params)} params given but no --where to bind them to")
 
-    allowed = {"rollouts": store.schema.names, "sft": SFT_COLUMNS, "dpo": list(DPO_COLUMNS)}
+    allowed = {
+        "rollouts": store.schema.names,
+        "sft": [*SFT_COLUMNS, "messages"],
+        "dpo": list(DPO_COLUMNS),
+    }
     cols = _check_columns(columns, allowed[as_], as_)
-    schema = _output_schema(store.schema, as_, cols)
-    query, count_query = _build_query(as_, cols, where, min_reward)
+    chat = as_ != "rollouts" and _all_chat(store, where, params, timeout)
+    if as_ == "sft" and columns is None:  # messages only for conversational rows
+        cols.remove("messages")
+        if chat:
+            cols.insert(2, "messages")
+    if "messages" in cols and not chat:
+        raise ExportError(
+            "--columns messages needs conversational rows (metadata with the prompt's "
+            '"messages", as `ingest --from trl|openai` writes for chat prompts); found rows '
+            "without them"
+        )
+    schema = _output_schema(store.schema, as_, cols, chat)
+    query, count_query = _build_query(as_, cols, where, min_reward, chat)
     args = list(params or [])
     if as_ == "sft" and min_reward is not None:
         args.append(min_reward)
@@ -410,6 +461,8 @@ def export(
                 for b in reader:
                     if b.num_rows == 0:
                         continue
+                    if chat:
+                        b = _chat_batch(b, schema, as_)
                     b = pa.Table.from_batches([b]).rename_columns(schema.names).cast(schema)
                     for part in b.to_batches():
                         rows += part.num_rows
@@ -433,6 +486,43 @@ def export(
         con.close()
         _remove(tmp)
     return ExportResult(rows, path)
+
+
+def _all_chat(store: RolloutStore, where: str | None, params, timeout: float | None) -> bool:
+    """Whether every (filtered) row is conversational: its metadata holds prompt turns."""
+    filt = f"WHERE ({where})" if where is not None else ""
+    con = store.connect()
+    try:
+        with limits(con, timeout):
+            n, chat = con.sql(
+                "SELECT count(*), count(*) FILTER "
+                f"(WHERE json_type(metadata, '$.messages') = 'ARRAY') FROM rollouts {filt}",
+                params=list(params or []) or None,
+            ).fetchall()[0]
+    except duckdb.Error as exc:
+        raise QueryError(f"export query failed: {type(exc).__name__}: {exc}") from exc
+    finally:
+        con.close()
+    return n > 0 and n == chat
+
+
+def _chat_batch(b: pa.RecordBatch, schema: pa.Schema, shape: ExportShape) -> pa.RecordBatch:
+    """Text columns as turns: prompt = the stored turns, completions = one assistant turn."""
+    rows = b.to_pylist()
+    out: dict[str, list] = {name: [] for name in schema.names}
+    for r in rows:
+        turns = [{"role": m.get("role"), "content": m.get("content")}
+                 for m in json.loads(r.pop(_TURNS))]  # fmt: skip
+        for name in schema.names:
+            if name == "prompt":
+                out[name].append(turns)
+            elif name in ("completion", "chosen", "rejected"):
+                out[name].append([{"role": "assistant", "content": r[name]}])
+            elif name == "messages":
+                out[name].append([*turns, {"role": "assistant", "content": r["completion"]}])
+            else:
+                out[name].append(r[name])
+    return pa.RecordBatch.from_pydict(out, schema=schema)
 
 
 def _remove(tmp: str) -> None:

@@ -17,12 +17,16 @@ import os
 import shutil
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .errors import FileUnreadableError, IngestError, ValidationError
 from .store import AppendResult, OnDuplicate, RolloutStore
+
+if TYPE_CHECKING:
+    from .interop import TextImporter
 
 CHUNK_ROWS = 4096
 READ_BYTES = 1 << 20
@@ -186,6 +190,21 @@ def _parquet_chunks(path: str, rename: Mapping[str, str], on_bytes: Callable) ->
         )
 
 
+def _dict_chunks(path: str, fmt: str, lines: list[int], rename, on_bytes) -> Iterator[list[dict]]:
+    if fmt != "parquet":
+        yield from _jsonl_chunks(path, fmt, lines, rename, on_bytes)
+        return
+    for t in _parquet_chunks(path, rename, on_bytes):
+        yield t.to_pylist()
+
+
+def _imported(chunks: Iterator[list[dict]], importer: TextImporter) -> Iterator[list[dict]]:
+    start = 0
+    for chunk in chunks:
+        yield importer(chunk, start)
+        start += len(chunk)
+
+
 def ingest_file(
     store: RolloutStore,
     path: str | os.PathLike,
@@ -193,11 +212,14 @@ def ingest_file(
     rename: Mapping[str, str] | None = None,
     progress: bool = True,
     on_duplicate: OnDuplicate = "error",
+    importer: TextImporter | None = None,
 ) -> IngestResult:
     """Append every row of one file atomically; see the module docstring.
 
     ``on_duplicate="skip"`` leaves out rows whose rollout_id is already stored, so
-    ingesting the same file twice is a no-op the second time.
+    ingesting the same file twice is a no-op the second time. ``importer``
+    (:class:`rolloutstore.interop.TextImporter`) reads another framework's text rows:
+    the file is read once for its groups, then converted chunk by chunk.
     """
     from tqdm.auto import tqdm
 
@@ -213,12 +235,20 @@ def ingest_file(
         disable=not progress,
         leave=False,
     ) as bar:
-        chunks = (
-            _parquet_chunks(path, rename, bar.update)
-            if fmt == "parquet"
-            else _jsonl_chunks(path, fmt, lines, rename, bar.update)
-        )
+        if importer is None:
+            chunks = (
+                _parquet_chunks(path, rename, bar.update)
+                if fmt == "parquet"
+                else _jsonl_chunks(path, fmt, lines, rename, bar.update)
+            )
+        else:
+            chunks = _imported(_dict_chunks(path, fmt, [], rename, bar.update), importer)
         try:
+            if importer is not None:  # pass 1: groups, sample indices, advantages
+                rows = (
+                    r for c in _dict_chunks(path, fmt, lines, rename, lambda n: None) for r in c
+                )
+                importer.scan(rows)
             result: AppendResult = store.append(chunks, on_duplicate=on_duplicate)
         except IngestError:
             raise
@@ -241,6 +271,7 @@ def ingest_files(
     progress: bool = True,
     on_duplicate: OnDuplicate = "error",
     on_result: Callable[[IngestResult], None] | None = None,
+    importer: TextImporter | None = None,
 ) -> tuple[RolloutStore, list[IngestResult]]:
     """Ingest ``paths`` in order into the store at ``uri`` (created if missing), one commit
     per file. Every path is checked (a file, a known extension) before anything is
@@ -264,7 +295,14 @@ def ingest_files(
     results: list[IngestResult] = []
     try:
         for p in paths:
-            r = ingest_file(store, p, rename=rename, progress=progress, on_duplicate=on_duplicate)
+            r = ingest_file(
+                store,
+                p,
+                rename=rename,
+                progress=progress,
+                on_duplicate=on_duplicate,
+                importer=importer,
+            )
             results.append(r)
             if on_result is not None:
                 on_result(r)

@@ -8,6 +8,8 @@ rolloutstore never imports the trainer; it finds these through the entry points 
     trainer = "trainer.store_commands:register_commands"
     [project.entry-points."rolloutstore.scorers"]
     trainer = "trainer.store_commands:resolve_scorer"
+    [project.entry-points."rolloutstore.row_transformers"]
+    trainer = "trainer.store_commands:resolve_row_transformer"
 
     rolloutstore rescore STORE --task NAME [--task-option K=V] [--where EXPR --param V]
 """
@@ -117,6 +119,13 @@ def resolve_scorer(spec: Any, options: dict[str, Any], mode: str) -> Scorer | No
         advantage_fn=functools.partial(_advantages, group_advantages, mode),
         spec={},
     )
+
+
+def resolve_row_transformer(options: Any):
+    """The tokenizer + teacher-forced scorer of ``ingest --from`` (text rows to token rows)."""
+    from trainer.rollout.text_import import TextRowTransformer
+
+    return TextRowTransformer(options)
 
 
 def _advantages(fn, mode: str, rewards, group_ids):

@@ -196,7 +196,7 @@ def test_sft(tmp_path, scored, min_reward, expected):
     assert sorted(t["rollout_id"].to_pylist()) == expected
     if expected:
         assert t.schema.field("completion_ids").type == pa.list_(pa.int32())
-        assert t["prompt_text"][0].as_py().startswith("p[")
+        assert t["prompt"][0].as_py().startswith("p[")
 
 
 @pytest.mark.parametrize(
