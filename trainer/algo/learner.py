@@ -65,6 +65,9 @@ from trainer.algo.optim import OptimConfig
 
 __all__ = ["Learner"]
 
+# Diagnostics that are maxima over the micro-batches (and ranks), not token-weighted means.
+_MAX_METRICS = ("is_weight_max", "ratio_max_dev")
+
 
 # -- batch plumbing ------------------------------------------------------------------------
 
@@ -174,7 +177,7 @@ class Learner:
         """One optimizer step on one replay item; returns plain-float metrics.
 
         Metrics: ``loss`` and every :class:`trainer.algo.loss.LossOutput` diagnostic (token-weighted
-        means over micro-batches; ``is_weight_max`` their max; ``ess_frac`` is the
+        means over micro-batches; ``is_weight_max`` and ``ratio_max_dev`` their max; ``ess_frac`` is the
         token-weighted mean of the micro-batches' ESS fractions), ``grad_norm`` (before
         clipping), ``lr`` (used for this step), ``tokens`` (loss tokens), ``sequences``,
         ``micro_batches``, ``policy_version`` (after the step), ``staleness`` (mean),
@@ -184,7 +187,7 @@ class Learner:
         mbs, tokens, seqs = self._micro_batches(batch)
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
-        weight_max = 0.0
+        maxes = dict.fromkeys(_MAX_METRICS, 0.0)
         staleness_sum = 0.0
         for i, mb in enumerate(mbs):
             mb = self._to_device(mb)
@@ -200,7 +203,8 @@ class Learner:
             with sync:
                 out, n_tok = self._forward_backward(mb, tokens, seqs)
             m = out.metrics()
-            weight_max = max(weight_max, m.pop("is_weight_max"))
+            for k in _MAX_METRICS:
+                maxes[k] = max(maxes[k], m.pop(k))
             m.pop("mean_staleness", None)
             staleness_sum += float(mb["staleness"].double().sum())
             for k, v in m.items():
@@ -222,7 +226,7 @@ class Learner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # so `seconds` measures the work, not launches
 
-        sums["is_weight_max"] = weight_max
+        sums.update(maxes)
         sums.update(
             grad_norm=grad_norm,
             lr=float(lr),
@@ -255,7 +259,7 @@ class Learner:
 
         # Equal on every rank already: computed from the all-reduced gradient or totals.
         same = {"grad_norm", "lr", "tokens", "sequences", "policy_version", "skipped"}
-        top = ["is_weight_max", "seconds"]
+        top = [*_MAX_METRICS, "seconds"]
         # The rest are partial sums: loss terms are normalised by the global totals, the
         # diagnostics weighted by n_tok / global tokens, staleness divided by global sequences.
         keys = sorted(k for k in sums if k not in same and k not in top)
