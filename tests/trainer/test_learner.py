@@ -290,3 +290,15 @@ def test_optim_config_validation(kwargs, word):
 def test_kl_penalty_needs_a_reference_model(base_model):
     with pytest.raises(ValueError, match="ref_model"):
         Learner(copy.deepcopy(base_model), LossConfig(kl_coef=0.1), OptimConfig())
+
+
+def test_dr_grpo_aggregation_normalises_by_a_constant(store, base_model):
+    (batch,) = _batches(store, 1, batch_size=8)
+    with pytest.raises(ValueError, match="agg_norm_len"):
+        _learner(base_model, LossConfig(agg="seq-mean-token-sum-norm"))
+    # Same gradient direction as seq-mean-token-sum, scaled by exactly 1 / agg_norm_len.
+    norm = _learner(base_model, LossConfig(agg="seq-mean-token-sum-norm", agg_norm_len=16))
+    plain = _learner(base_model, LossConfig(agg="seq-mean-token-sum"))
+    norm.step(batch), plain.step(batch)
+    g_norm, g_plain = _grads(norm), _grads(plain)
+    _assert_close({k: v * 16 for k, v in g_norm.items()}, g_plain, atol=1e-7)

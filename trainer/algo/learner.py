@@ -113,6 +113,11 @@ class Learner:
     ):
         if not temperature > 0:
             raise ValueError(f"temperature must be > 0, got {temperature!r}")
+        if loss_cfg.agg == "seq-mean-token-sum-norm" and loss_cfg.agg_norm_len is None:
+            raise ValueError(
+                "loss_cfg.agg = 'seq-mean-token-sum-norm' needs agg_norm_len (e.g. the "
+                "generation's max_tokens; the training loops fill it in from [generation])"
+            )
         if loss_cfg.kl_coef > 0 and ref_model is None:
             raise ValueError(f"loss_cfg.kl_coef={loss_cfg.kl_coef} requires ref_model")
         self.loss_cfg = loss_cfg
