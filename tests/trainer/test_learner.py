@@ -253,11 +253,15 @@ def test_gradient_checkpointing_gives_the_same_update(store, base_model):
 
 def test_temperature_changes_logprobs_and_clip_applies(store, base_model):
     (batch,) = _batches(store, 1, batch_size=8)
-    # Stored log-probs are at temperature 1; scoring at 0.5 moves every ratio away from 1.
+    # The rows recorded temperature 1 (their log-probs are at 1): the learner's own setting
+    # only fills in rows that recorded none, so configuring it at 0.5 changes nothing...
     learner = Learner(
         copy.deepcopy(base_model), LossConfig(), OptimConfig(lr=1e-3), temperature=0.5
     )
-    m = learner.step(batch)
+    assert learner.step(batch)["approx_kl"] < 1e-8
+    # ...while rows that say they were sampled at 0.5 are scored at 0.5: every ratio moves.
+    learner = Learner(copy.deepcopy(base_model), LossConfig(), OptimConfig(lr=1e-3))
+    m = learner.step({**batch, "temperature": torch.full_like(batch["temperature"], 0.5)})
     assert m["approx_kl"] > 1e-3 and m["clip_frac_low"] + m["clip_frac_high"] > 0
 
 
@@ -362,3 +366,64 @@ def test_ppo_epochs_resume_bit_for_bit(store, base_model):
         np.array_equal(x, y)
         for x, y in zip(straight._mini_batch_plan(8, 0), first._mini_batch_plan(8, 0))
     )
+
+
+# -- per-row behaviour distributions -------------------------------------------------------
+@pytest.fixture(scope="module")
+def sampled_store(tmp_path_factory):
+    """Rows the real HF generator sampled from the tiny model at two non-default settings."""
+    from trainer.models.tiny import make_tiny_model
+    from trainer.rollout.hf import HFGenerator
+
+    tmp = tmp_path_factory.mktemp("per_row")
+    tiny = make_tiny_model(tmp / "tiny", task="arith", seed=0)
+    gen = HFGenerator(tiny, policy_version=0, policy_id="r")
+    prompts = ["Compute 1+2. Answer:", "Compute 37+45*2. Answer:"]
+    rows = gen.generate(prompts, group_size=2, temperature=0.7, max_tokens=12, seed=1)
+    rows += gen.generate(prompts, group_size=2, temperature=0.8, top_p=0.9, top_k=40,
+                         max_tokens=12, seed=2)  # fmt: skip
+    for r in rows:
+        r.update(run_id="r", reward=0.0, advantage=0.0)
+    s = RolloutStore.open(tmp / "store", embedding_dim=8)
+    s.append(rows)
+    return s, copy.deepcopy(gen.model).float(), rows
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_rows_are_scored_with_their_own_sampling_settings(sampled_store, pack):
+    store, model, rows = sampled_store
+    (batch,) = _batches(store, 1, batch_size=len(rows), pack=pack, learner_version=0)
+    assert sorted(batch["temperature"].tolist()) == pytest.approx([0.7] * 4 + [0.8] * 4)
+    assert sorted(batch["top_k"].tolist()) == [0] * 4 + [40] * 4
+    # The learner is configured at the run's temperature 1.0, no top-k / top-p.
+    learner = Learner(model, LossConfig(), OptimConfig(lr=1e-3))
+    mask, blp, _ = learner._targets(batch)
+    logp = learner.sequence_logprobs(batch)
+    gap = (logp - blp).abs()[mask].max().item()
+    assert gap < 1e-5
+    # Scored at the configured 1.0 instead, the same tokens are far off: the check is sensitive.
+    plain = {k: v for k, v in batch.items() if k not in ("temperature", "top_k", "top_p")}
+    assert (learner.sequence_logprobs(plain) - blp).abs()[mask].max().item() > 0.05
+
+
+def test_rows_with_raw_logprobs_are_refused(sampled_store, tmp_path, base_model):
+    from trainer.errors import BehaviorPolicyError, TrainerError
+    from trainer.run.sources import import_sources
+
+    store, _, rows = sampled_store
+    raw = [{**r, "logprobs_mode": "raw_logprobs", "rollout_id": None} for r in rows[:2]]
+    for r in raw:
+        r.pop("rollout_id")
+    src = RolloutStore.open(tmp_path / "src", embedding_dim=8)
+    src.append(raw)
+    (batch,) = _batches(src, 1, batch_size=2, learner_version=0)
+    learner = _learner(base_model)
+    with pytest.raises(BehaviorPolicyError, match="raw_logprobs.*temperature=0.7") as err:
+        learner.step(batch)
+    assert isinstance(err.value, TrainerError) and learner.policy_version == 0
+    # Importing the run as a replay source is refused before anything is copied.
+    dest = RolloutStore.open(tmp_path / "dest", embedding_dim=8)
+    fp = rows[0]["tokenizer_fingerprint"]
+    with pytest.raises(BehaviorPolicyError, match="replay source .*raw_logprobs"):
+        import_sources(dest, [str(tmp_path / "src")], run_id="new", fingerprint=fp)
+    assert dest.sql("SELECT count(*) AS n FROM rollouts")["n"][0].as_py() == 0

@@ -6,8 +6,9 @@ or packed batch dict, or the list of micro-batch dicts the loader yields when it
 
 1. split the batch into micro-batches of at most ``OptimConfig.micro_batch_tokens`` tokens
    (a single dict only; padded batches split along sequences, packed ones along ``cu_seqlens``);
-2. per micro-batch: the model's per-token log-probs under the generator's sampling processing
-   (``temperature``, ``top_k``, ``top_p``) with :func:`trainer.algo.logprobs.sequence_logprobs`, the
+2. per micro-batch: the model's per-token log-probs under each row's stored sampling processing
+   (``temperature``, ``top_k``, ``top_p``; :mod:`trainer.algo.behavior`, which also refuses rows
+   it cannot reproduce) with :func:`trainer.algo.logprobs.sequence_logprobs`, the
    configured :func:`trainer.algo.loss.policy_loss` normalised by the token / sequence count of the
    *whole* step, and ``backward`` — so the accumulated gradient equals one big batch's;
 3. clip the global grad norm, AdamW step, LR schedule step, ``policy_version += 1``.
@@ -73,11 +74,13 @@ from trainer.algo.batching import (
     split_padded,
     unpack_index,
 )
+from trainer.algo.behavior import batch_rows, check_logprobs_modes, sampling_kwargs
 from trainer.algo.logprobs import packed_target_mask, sequence_logprobs
 from trainer.algo.loss import LossConfig, policy_loss
 from trainer.algo.optim import OptimConfig
 
 __all__ = ["Learner"]
+
 
 # Diagnostics that are maxima over the micro-batches (and ranks), not token-weighted means.
 _MAX_METRICS = ("is_weight_max", "ratio_max_dev")
@@ -119,8 +122,8 @@ class Learner:
             float16 (autocast on ``device``; the weights stay as given, float32 master weights in
             the trainer). None: bfloat16 autocast on CUDA, float32 on CPU. The LM head and the
             softmax of the log-probs run in float32 regardless (trainer.algo.logprobs).
-        temperature, top_k, top_p: the generator's sampling processing, so the learner's
-            log-probs are of the distribution the behaviour log-probs came from.
+        temperature, top_k, top_p: the generator's sampling processing, used for rows whose
+            batch carries no per-row settings (each row is scored under its own stored ones).
         chunk_size: rows per LM-head chunk in the log-prob computation.
         ref_model: frozen reference model for the k3 KL penalty (required when
             ``loss_cfg.kl_coef > 0``).
@@ -229,6 +232,7 @@ class Learner:
         update was made), ``seconds``.
         """
         t0 = time.perf_counter()
+        check_logprobs_modes(batch_rows(batch), f"learner step {self.steps_done}")
         mbs, tokens, seqs = self._micro_batches(batch)
         oc = self.optim_cfg
         if oc.ppo_epochs * oc.mini_batches == 1:
@@ -540,11 +544,9 @@ class Learner:
             # Packed rows rely on the restarting position ids for isolation (see logprobs.py).
             attention_mask=None if packed else mb["attention_mask"],
             position_ids=mb["position_ids"],
-            temperature=self.temperature,
-            top_k=self.top_k,
-            top_p=self.top_p,
             chunk_size=self.chunk_size,
             return_entropy=entropy,
+            **sampling_kwargs(mb, (self.temperature, self.top_k, self.top_p), self.device),
         )
         if (
             self.ddp is not None
