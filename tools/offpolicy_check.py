@@ -15,10 +15,14 @@ aggregation ``seq-mean-token-sum`` so the on-policy expectation is exactly ``-gr
 Over many batches:
 
 * bias     = ||E[g] - g_true|| / ||g_true||, with ``g_true = -grad J(theta_T)``;
+* cosine   = cos(E[g], g_true): does the expected update still point the right way;
 * variance = E||g - E[g]||^2 / ||g_true||^2 (per batch of ``--batch`` sequences).
 
-The bias estimate itself has Monte-Carlo noise of about sqrt(variance / batches); the table
-prints that floor. Run::
+Each of ``--seeds`` seeds is a different problem (reward table, start, trajectory); the table
+gives the mean over seeds and, for bias, the spread (min-max). Besides the seven loss types
+with their defaults it checks the variants the defaults changed (ppo without the dual clip,
+decoupled uncapped, icepop renormalised). The bias estimate itself has Monte-Carlo noise of
+about sqrt(variance / batches); the table prints that floor. Run::
 
     python tools/offpolicy_check.py                       # prints the table
     python tools/offpolicy_check.py --out docs/learner.md # also appends it as Markdown
@@ -40,6 +44,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from trainer.algo.loss import LOSS_TYPES, LossConfig, policy_loss  # noqa: E402
 
 STALENESS = (0, 2, 8, 32)
+# (row name, LossConfig) of every loss checked: the defaults, then the variants.
+VARIANTS = [(lt, LossConfig(loss_type=lt, agg="seq-mean-token-sum")) for lt in LOSS_TYPES] + [
+    ("ppo, no dual clip", LossConfig(agg="seq-mean-token-sum", clip_ratio_c=None)),
+    ("decoupled, uncapped", LossConfig("decoupled", "seq-mean-token-sum", decoupled_cap=None)),
+    ("icepop, renorm", LossConfig("icepop", "seq-mean-token-sum", icepop_renorm=True)),
+]
 
 
 def log_policy(theta1: torch.Tensor, theta2: torch.Tensor) -> torch.Tensor:
@@ -88,7 +98,7 @@ def run(k: int, batch: int, batches: int, lr: float, seed: int) -> dict:
         log_mu = log_policy(mu1, mu2)
         log_pi = log_policy(cur1, cur2)
         results["kl"][s] = float((log_mu.exp() * (log_mu - log_pi)).sum())
-        grads: dict[str, list[torch.Tensor]] = {lt: [] for lt in LOSS_TYPES}
+        grads: dict[str, list[torch.Tensor]] = {name: [] for name, _ in VARIANTS}
         for _ in range(batches):
             # The same samples for every loss type (common random numbers) sharpen the comparison.
             flat = torch.multinomial(log_mu.exp().flatten(), batch, replacement=True, generator=gen)
@@ -96,31 +106,47 @@ def run(k: int, batch: int, batches: int, lr: float, seed: int) -> dict:
             behavior = per_token_logp(mu1, mu2, y)
             adv = (reward[y[:, 0], y[:, 1]] - value)[:, None].expand(-1, 2)
             mask = torch.ones(batch, 2, dtype=torch.bool)
-            for lt in LOSS_TYPES:
+            for name, cfg in VARIANTS:
                 t1, t2 = cur1.clone().requires_grad_(), cur2.clone().requires_grad_()
                 logp = per_token_logp(t1, t2, y)
-                cfg = LossConfig(loss_type=lt, agg="seq-mean-token-sum")
                 out = policy_loss(logp, behavior, adv, mask, cfg, prox_logp=logp.detach())
                 g1, g2 = torch.autograd.grad(out.loss, (t1, t2))
-                grads[lt].append(torch.cat([g1.flatten(), g2.flatten()]))
-        for lt in LOSS_TYPES:
-            g = torch.stack(grads[lt])
+                grads[name].append(torch.cat([g1.flatten(), g2.flatten()]))
+        for name, _ in VARIANTS:
+            g = torch.stack(grads[name])
             mean = g.mean(0)
             bias = float((mean - g_true).norm()) / math.sqrt(norm2)
             var = float(((g - mean) ** 2).sum(1).mean()) / norm2
-            results.setdefault(lt, {})[s] = (bias, var)
+            cos = float(mean @ g_true) / (float(mean.norm()) * math.sqrt(norm2) + 1e-30)
+            results.setdefault(name, {})[s] = (bias, var, cos)
     return results
 
 
+def over_seeds(runs: list[dict]) -> dict:
+    """Per (loss, staleness): (mean bias, min bias, max bias, mean var, mean cosine)."""
+    out: dict = {"kl": {s: sum(r["kl"][s] for r in runs) / len(runs) for s in STALENESS}}
+    for name, _ in VARIANTS:
+        for s in STALENESS:
+            bias, var, cos = zip(*(r[name][s] for r in runs))
+            n = len(runs)
+            out.setdefault(name, {})[s] = (sum(bias) / n, min(bias), max(bias), sum(var) / n,
+                                           sum(cos) / n)  # fmt: skip
+    return out
+
+
 def table(res: dict, batches: int) -> list[str]:
-    head = "| loss | " + " | ".join(f"s={s}: bias / var" for s in STALENESS) + " |"
-    lines = [head, "|" + "---|" * (len(STALENESS) + 1)]
+    head = "| loss | " + " | ".join(f"s={s}: bias [min-max] / cos / var" for s in STALENESS)
+    lines = [head + " |", "|" + "---|" * (len(STALENESS) + 1)]
     kl = " | ".join(f"{res['kl'][s]:.3f}" for s in STALENESS)
-    lines.append(f"| KL(mu \\|\\| pi) | {kl} |")
-    for lt in LOSS_TYPES:
-        cells = " | ".join(f"{res[lt][s][0]:.3f} / {res[lt][s][1]:.2f}" for s in STALENESS)
-        lines.append(f"| {lt} | {cells} |")
-    floor = " | ".join(f"{math.sqrt(res['ppo'][s][1] / batches):.3f}" for s in STALENESS)
+    lines.append(f"| KL(mu \\|\\| pi), mean | {kl} |")
+    for name, _ in VARIANTS:
+        cells = " | ".join(
+            "{:.2f} [{:.2f}-{:.2f}] / {:.3f} / {:.2f}".format(*res[name][s][:3], *res[name][s][4:],
+                                                             res[name][s][3])
+            for s in STALENESS
+        )  # fmt: skip
+        lines.append(f"| {name} | {cells} |")
+    floor = " | ".join(f"{math.sqrt(res['ppo'][s][3] / batches):.3f}" for s in STALENESS)
     lines.append(f"| noise floor of bias (ppo) | {floor} |")
     return lines
 
@@ -131,7 +157,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batch", type=int, default=64, help="sequences per batch")
     ap.add_argument("--batches", type=int, default=400, help="batches per (loss, staleness)")
     ap.add_argument("--lr", type=float, default=2.0, help="gradient-ascent step of the trajectory")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="first seed")
+    ap.add_argument("--seeds", type=int, default=5, help="problems (seeds) averaged over")
     ap.add_argument("--out", type=Path, default=None, help="append a Markdown section here")
     args = ap.parse_args(argv)
     for name in ("k", "batch", "batches"):
@@ -139,12 +166,16 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"--{name} must be >= 2, got {getattr(args, name)}")
 
     torch.set_num_threads(1)  # tiny tensors: threads only add overhead
-    res = run(args.k, args.batch, args.batches, args.lr, args.seed)
+    runs = [
+        run(args.k, args.batch, args.batches, args.lr, args.seed + 1000 * i)
+        for i in range(args.seeds)
+    ]
+    res = over_seeds(runs)
     lines = table(res, args.batches)
-    print(
-        f"K={args.k}, batch={args.batch}, batches={args.batches}, J(theta_T)={res['value']:.3f}, "
-        f"||grad J||={res['grad_norm']:.4f}"
-    )
+    values = ", ".join(f"{r['value']:.3f}" for r in runs)
+    norms = ", ".join(f"{r['grad_norm']:.4f}" for r in runs)
+    about = f"J(theta_T) = {values}; ||grad J|| = {norms}"
+    print(f"K={args.k}, batch={args.batch}, batches={args.batches}, seeds={args.seeds}; {about}")
     print("\n".join(lines))
     if args.out is not None:
         cmd = "python tools/offpolicy_check.py " + shlex.join(argv if argv else sys.argv[1:])
@@ -153,9 +184,10 @@ def main(argv: list[str] | None = None) -> None:
             "## Off-policy gradient check",
             "",
             f"`{cmd.strip()}` ({datetime.date.today().isoformat()}). Two-step softmax policy, "
-            f"K={args.k}, {args.batches} batches of {args.batch} sequences per cell; "
-            f"J(theta_T)={res['value']:.3f}, ||grad J||={res['grad_norm']:.4f}. "
-            "bias = ||E g - g_true|| / ||g_true||, var = E||g - E g||^2 / ||g_true||^2.",
+            f"K={args.k}, {args.batches} batches of {args.batch} sequences per cell, "
+            f"{args.seeds} seeds (problems; mean, bias spread min-max); {about}. "
+            "bias = ||E g - g_true|| / ||g_true||, cos = cos(E g, g_true), "
+            "var = E||g - E g||^2 / ||g_true||^2.",
             "",
             *lines,
             "",

@@ -58,3 +58,9 @@ class TaskError(TrainerError, ValueError):
 
 class TaskFileError(TrainerError, FileNotFoundError):
     """A task's prompt file (or dataset folder) does not exist."""
+
+
+class BehaviorPolicyError(TrainerError, ValueError):
+    """Replayed rows whose behaviour log-probs the learner cannot reproduce (e.g. recorded with
+    ``logprobs_mode = "raw_logprobs"``, before the sampler's processing); names the rows and
+    their sampling settings."""

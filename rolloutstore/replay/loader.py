@@ -109,6 +109,8 @@ def _shutdown_prefetchers() -> None:
 
 # Rewards and advantages come from the Selection (the selector overlays re-scorings on them).
 TOKEN_COLUMNS = ["prompt_ids", "completion_ids", "behavior_logprobs"]
+# Each row's sampler settings: the learner scores a row under the distribution that sampled it.
+SAMPLING_COLUMNS = ["temperature", "top_k", "top_p", "logprobs_mode"]
 
 
 def _flat(col: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, np.ndarray]:
@@ -127,6 +129,24 @@ def _segment_index(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     np.cumsum(lengths[:-1], out=starts[1:])
     pos = np.arange(total, dtype=np.int64) - np.repeat(starts, lengths)
     return seq, pos
+
+
+def _sampling(rows: pa.Table) -> dict[str, Any]:
+    """Per-row ``temperature`` (NaN: unknown), ``top_k`` (0: none), ``top_p`` (1: none) tensors
+    and the ``logprobs_mode`` list (None: unknown); columns a table lacks are left out."""
+    out: dict[str, Any] = {}
+    defaults = {
+        "temperature": (np.float32, np.nan),
+        "top_k": (np.int64, 0),
+        "top_p": (np.float32, 1.0),
+    }
+    for name, (dtype, null) in defaults.items():
+        if name in rows.column_names:
+            values = rows[name].fill_null(null).to_numpy(zero_copy_only=False)
+            out[name] = torch.from_numpy(np.array(values, dtype=dtype))
+    if "logprobs_mode" in rows.column_names:
+        out["logprobs_mode"] = rows["logprobs_mode"].to_pylist()
+    return out
 
 
 # Long by design: one pass that pads or packs every per-token and per-row field together,
@@ -198,6 +218,7 @@ def collate(rows: pa.Table, sel: Selection, idx: np.ndarray, *, pack: bool) -> d
         am = (np.arange(width)[None, :] < lengths[:, None]).astype(np.int64)
         out["attention_mask"] = torch.from_numpy(am)
         out["position_ids"] = torch.from_numpy(np.arange(width)[None, :] * am)
+    out.update(_sampling(rows))
     rewards = sel.rewards[idx].astype(np.float32)
     out.update(
         policy_version=torch.from_numpy(sel.policy_version[idx].copy()),
@@ -254,7 +275,7 @@ class TokenCache:
         """Token columns of selection rows ``idx`` (all rows when None), in that order."""
         need = sel.row_addresses if idx is None else sel.row_addresses[idx]
         if sel.buffer_addresses is None or sel.buffer_tokens > self.max_tokens:
-            return self.store.take_rows(need, columns=TOKEN_COLUMNS)
+            return self.store.take_rows(need, columns=TOKEN_COLUMNS + SAMPLING_COLUMNS)
         pos = self._lookup(need)
         if pos is None:
             self._load(sel.buffer_addresses)
@@ -277,7 +298,7 @@ class TokenCache:
             # Drop rows that left the buffer before growing further.
             keep = np.isin(self.addr, buffer)
             self.table, self.addr = self.table.filter(pa.array(keep)), self.addr[keep]
-        fresh = self.store.take_rows(missing, columns=TOKEN_COLUMNS)
+        fresh = self.store.take_rows(missing, columns=TOKEN_COLUMNS + SAMPLING_COLUMNS)
         self.table = fresh if self.table is None else pa.concat_tables([self.table, fresh])
         self.addr = np.concatenate([self.addr, missing])
         self._order = None

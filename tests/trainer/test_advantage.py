@@ -26,6 +26,26 @@ def test_grpo_hand_computed() -> None:
     np.testing.assert_allclose(adv, expected, rtol=1e-6)
 
 
+def test_sample_std_option_matches_torch_std() -> None:
+    # ddof=1 is verl's / TRL's torch.std (unbiased); a one-row group still gets exactly 0.
+    import torch
+
+    rewards = np.array([1, 0, 0, 1, 2, 4, 9, 5], dtype=np.float64)
+    groups = np.array([0, 0, 0, 0, 1, 1, 1, 2])
+    adv = group_advantages(rewards, groups, eps=0.0, ddof=1)
+    for g in (0, 1):
+        r = torch.tensor(rewards[groups == g])
+        np.testing.assert_allclose(adv[groups == g], ((r - r.mean()) / r.std()).numpy(), rtol=1e-6)
+    assert adv[7] == 0.0
+    # The default is still the population std: {0, 1} -> -1/+1 rather than -0.71/+0.71.
+    np.testing.assert_allclose(group_advantages([0.0, 1.0], [0, 0], eps=0.0), [-1, 1])
+    np.testing.assert_allclose(
+        group_advantages([0.0, 1.0], [0, 0], eps=0.0, ddof=1), [-(0.5**0.5), 0.5**0.5], rtol=1e-6
+    )
+    with pytest.raises(ValueError, match="ddof"):
+        group_advantages([0.0, 1.0], [0, 0], ddof=2)
+
+
 def test_drgrpo_is_mean_centred_only() -> None:
     adv = group_advantages([1, 0, 0, 1, 2, 4, 9], [0, 0, 0, 0, 1, 1, 1], mode="drgrpo")
     np.testing.assert_allclose(adv, [0.5, -0.5, -0.5, 0.5, -3, -1, 4])

@@ -253,11 +253,15 @@ def test_gradient_checkpointing_gives_the_same_update(store, base_model):
 
 def test_temperature_changes_logprobs_and_clip_applies(store, base_model):
     (batch,) = _batches(store, 1, batch_size=8)
-    # Stored log-probs are at temperature 1; scoring at 0.5 moves every ratio away from 1.
+    # The rows recorded temperature 1 (their log-probs are at 1): the learner's own setting
+    # only fills in rows that recorded none, so configuring it at 0.5 changes nothing...
     learner = Learner(
         copy.deepcopy(base_model), LossConfig(), OptimConfig(lr=1e-3), temperature=0.5
     )
-    m = learner.step(batch)
+    assert learner.step(batch)["approx_kl"] < 1e-8
+    # ...while rows that say they were sampled at 0.5 are scored at 0.5: every ratio moves.
+    learner = Learner(copy.deepcopy(base_model), LossConfig(), OptimConfig(lr=1e-3))
+    m = learner.step({**batch, "temperature": torch.full_like(batch["temperature"], 0.5)})
     assert m["approx_kl"] > 1e-3 and m["clip_frac_low"] + m["clip_frac_high"] > 0
 
 
@@ -290,3 +294,136 @@ def test_optim_config_validation(kwargs, word):
 def test_kl_penalty_needs_a_reference_model(base_model):
     with pytest.raises(ValueError, match="ref_model"):
         Learner(copy.deepcopy(base_model), LossConfig(kl_coef=0.1), OptimConfig())
+
+
+def test_dr_grpo_aggregation_normalises_by_a_constant(store, base_model):
+    (batch,) = _batches(store, 1, batch_size=8)
+    with pytest.raises(ValueError, match="agg_norm_len"):
+        _learner(base_model, LossConfig(agg="seq-mean-token-sum-norm"))
+    # Same gradient direction as seq-mean-token-sum, scaled by exactly 1 / agg_norm_len.
+    norm = _learner(base_model, LossConfig(agg="seq-mean-token-sum-norm", agg_norm_len=16))
+    plain = _learner(base_model, LossConfig(agg="seq-mean-token-sum"))
+    norm.step(batch), plain.step(batch)
+    g_norm, g_plain = _grads(norm), _grads(plain)
+    _assert_close({k: v * 16 for k, v in g_norm.items()}, g_plain, atol=1e-7)
+
+
+# -- PPO epochs / mini-batches -------------------------------------------------------------
+def test_ppo_epochs_clip_around_pi_old(store, base_model):
+    (batch,) = _batches(store, 1, batch_size=12)
+    loss = LossConfig(loss_type="decoupled", eps_low=0.05, eps_high=0.05)
+    learner = _learner(base_model, loss, lr=2e-2, ppo_epochs=2, mini_batches=2)
+    m = learner.step(batch)
+    ups = learner.update_metrics
+    assert len(ups) == 4 and m["optimizer_steps"] == 4.0
+    # One drawn batch: the version and the LR schedule advance once.
+    assert learner.policy_version == 1 and m["policy_version"] == 1.0
+    # First mini-batch: the weights are still pi_old, on exactly the scored tensors.
+    assert ups[0]["ratio_max_dev"] == 0.0
+    assert ups[0]["clip_frac_low"] == ups[0]["clip_frac_high"] == 0.0
+    # Later mini-batches move away from pi_old and the clip binds.
+    assert all(u["ratio_max_dev"] > 0 for u in ups[1:])
+    assert sum(u["clip_frac_low"] + u["clip_frac_high"] for u in ups[1:]) > 0
+    assert m["clip_frac_low"] + m["clip_frac_high"] > 0
+    assert m["sequences"] == 12 and m["staleness"] == 2.0
+
+
+@pytest.mark.parametrize("loss_type", ["decoupled", "ppo"])
+def test_ppo_epochs_packed_equals_padded(store, base_model, loss_type):
+    kw = dict(batch_size=12, priority="advantage")
+    (padded,) = _batches(store, 1, **kw)
+    (packed,) = _batches(store, 1, pack=True, **kw)
+    a = _learner(base_model, loss_type, ppo_epochs=2, mini_batches=3)
+    b = _learner(base_model, loss_type, ppo_epochs=2, mini_batches=3, micro_batch_tokens=50)
+    a.step(padded), b.step(packed)
+    assert len(a.update_metrics) == len(b.update_metrics) == 6
+    for ua, ub in zip(a.update_metrics, b.update_metrics):
+        assert ua["loss"] == pytest.approx(ub["loss"], rel=1e-4, abs=1e-6)
+    _assert_close(_params(a), _params(b), atol=1e-5)
+
+
+def test_ppo_epochs_resume_bit_for_bit(store, base_model):
+    batches = _batches(store, 4, batch_size=8)
+    optim = dict(lr=5e-3, ppo_epochs=2, mini_batches=2, seed=3, warmup_steps=1)
+    loss = LossConfig(loss_type="decoupled")
+    straight = Learner(copy.deepcopy(base_model), loss, OptimConfig(**optim))
+    ms = [straight.step(b) for b in batches]
+
+    first = Learner(copy.deepcopy(base_model), loss, OptimConfig(**optim))
+    for b in batches[:2]:
+        first.step(b)
+    buf = io.BytesIO()
+    torch.save(first.state_dict(), buf)
+    buf.seek(0)
+    resumed = Learner(_model(seed=123), loss, OptimConfig(**optim))
+    resumed.load_state_dict(torch.load(buf, weights_only=False))
+    ms_resumed = [resumed.step(b) for b in batches[2:]]
+    assert [m["loss"] for m in ms_resumed] == [m["loss"] for m in ms[2:]]
+    a, b = _params(straight), _params(resumed)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    # The order is a function of the learner step: another step number, another order.
+    assert not all(
+        np.array_equal(x, y)
+        for x, y in zip(straight._mini_batch_plan(8, 0), first._mini_batch_plan(8, 0))
+    )
+
+
+# -- per-row behaviour distributions -------------------------------------------------------
+@pytest.fixture(scope="module")
+def sampled_store(tmp_path_factory):
+    """Rows the real HF generator sampled from the tiny model at two non-default settings."""
+    from trainer.models.tiny import make_tiny_model
+    from trainer.rollout.hf import HFGenerator
+
+    tmp = tmp_path_factory.mktemp("per_row")
+    tiny = make_tiny_model(tmp / "tiny", task="arith", seed=0)
+    gen = HFGenerator(tiny, policy_version=0, policy_id="r")
+    prompts = ["Compute 1+2. Answer:", "Compute 37+45*2. Answer:"]
+    rows = gen.generate(prompts, group_size=2, temperature=0.7, max_tokens=12, seed=1)
+    rows += gen.generate(prompts, group_size=2, temperature=0.8, top_p=0.9, top_k=40,
+                         max_tokens=12, seed=2)  # fmt: skip
+    for r in rows:
+        r.update(run_id="r", reward=0.0, advantage=0.0)
+    s = RolloutStore.open(tmp / "store", embedding_dim=8)
+    s.append(rows)
+    return s, copy.deepcopy(gen.model).float(), rows
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_rows_are_scored_with_their_own_sampling_settings(sampled_store, pack):
+    store, model, rows = sampled_store
+    (batch,) = _batches(store, 1, batch_size=len(rows), pack=pack, learner_version=0)
+    assert sorted(batch["temperature"].tolist()) == pytest.approx([0.7] * 4 + [0.8] * 4)
+    assert sorted(batch["top_k"].tolist()) == [0] * 4 + [40] * 4
+    # The learner is configured at the run's temperature 1.0, no top-k / top-p.
+    learner = Learner(model, LossConfig(), OptimConfig(lr=1e-3))
+    mask, blp, _ = learner._targets(batch)
+    logp = learner.sequence_logprobs(batch)
+    gap = (logp - blp).abs()[mask].max().item()
+    assert gap < 1e-5
+    # Scored at the configured 1.0 instead, the same tokens are far off: the check is sensitive.
+    plain = {k: v for k, v in batch.items() if k not in ("temperature", "top_k", "top_p")}
+    assert (learner.sequence_logprobs(plain) - blp).abs()[mask].max().item() > 0.05
+
+
+def test_rows_with_raw_logprobs_are_refused(sampled_store, tmp_path, base_model):
+    from trainer.errors import BehaviorPolicyError, TrainerError
+    from trainer.run.sources import import_sources
+
+    store, _, rows = sampled_store
+    raw = [{**r, "logprobs_mode": "raw_logprobs", "rollout_id": None} for r in rows[:2]]
+    for r in raw:
+        r.pop("rollout_id")
+    src = RolloutStore.open(tmp_path / "src", embedding_dim=8)
+    src.append(raw)
+    (batch,) = _batches(src, 1, batch_size=2, learner_version=0)
+    learner = _learner(base_model)
+    with pytest.raises(BehaviorPolicyError, match="raw_logprobs.*temperature=0.7") as err:
+        learner.step(batch)
+    assert isinstance(err.value, TrainerError) and learner.policy_version == 0
+    # Importing the run as a replay source is refused before anything is copied.
+    dest = RolloutStore.open(tmp_path / "dest", embedding_dim=8)
+    fp = rows[0]["tokenizer_fingerprint"]
+    with pytest.raises(BehaviorPolicyError, match="replay source .*raw_logprobs"):
+        import_sources(dest, [str(tmp_path / "src")], run_id="new", fingerprint=fp)
+    assert dest.sql("SELECT count(*) AS n FROM rollouts")["n"][0].as_py() == 0

@@ -15,6 +15,7 @@ from trainer.algo.loss import AGGS, LossConfig, policy_loss
 
 RATIO_LOSSES = ("ppo", "tis", "icepop", "decoupled", "gspo", "m2po")
 DT = torch.float64
+NORM_LEN = 9  # seq-mean-token-sum-norm's constant (other aggregations ignore it)
 
 
 def make_batch(seed: int = 0, b: int = 4, t: int = 7) -> dict[str, torch.Tensor]:
@@ -38,6 +39,8 @@ def ref_aggregate(per_token: torch.Tensor, mask: torch.Tensor, agg: str) -> torc
         return torch.stack(flat).sum() / len(flat)
     if agg == "seq-mean-token-sum":
         return torch.stack([torch.stack(r).sum() for r in rows]).mean()
+    if agg == "seq-mean-token-sum-norm":
+        return torch.stack([torch.stack(r).sum() for r in rows]).sum() / (len(rows) * NORM_LEN)
     return torch.stack([torch.stack(r).mean() for r in rows]).mean()
 
 
@@ -53,7 +56,7 @@ def grad_of(loss: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 def test_ratio_one_gives_reinforce_gradient(loss_type: str, agg: str, with_prox: bool) -> None:
     d = make_batch(seed=1)
     logp, adv, mask = d["logp"], d["adv"], d["mask"]
-    cfg = LossConfig(loss_type=loss_type, agg=agg)
+    cfg = LossConfig(loss_type=loss_type, agg=agg, agg_norm_len=NORM_LEN)
     prox = logp.detach().clone() if with_prox else None
     out = policy_loss(logp, logp.detach().clone(), adv, mask, cfg, prox_logp=prox)
     expected = grad_of(ref_aggregate(-adv * logp, mask, agg), logp)
@@ -157,8 +160,12 @@ def test_gspo_equals_token_ppo_when_ratios_equal_within_sequence(agg: str) -> No
     row_log_r = torch.tensor([0.0, 0.5, -0.5, 0.1], dtype=DT)[:, None]
     behavior = torch.where(mask, logp.detach() - row_log_r, torch.full_like(logp, -50.0))
     adv = torch.tensor([1.0, 1.0, -1.0, -0.5], dtype=DT)
-    gspo = policy_loss(logp, behavior, adv, mask, LossConfig(loss_type="gspo", agg=agg))
-    ppo = policy_loss(logp, behavior, adv, mask, LossConfig(loss_type="ppo", agg=agg))
+    gspo = policy_loss(
+        logp, behavior, adv, mask, LossConfig(loss_type="gspo", agg=agg, agg_norm_len=NORM_LEN)
+    )
+    ppo = policy_loss(
+        logp, behavior, adv, mask, LossConfig(loss_type="ppo", agg=agg, agg_norm_len=NORM_LEN)
+    )
     torch.testing.assert_close(gspo.loss, ppo.loss)
     torch.testing.assert_close(grad_of(gspo.loss, logp), grad_of(ppo.loss, logp))
     assert float(gspo.clip_frac_high) > 0 and float(gspo.clip_frac_low) > 0
@@ -181,13 +188,15 @@ def test_decoupled_equals_ppo_when_prox_is_behavior(agg: str) -> None:
     logp, adv, mask = d["logp"], d["adv"], d["mask"]
     g = torch.Generator().manual_seed(7)
     behavior = logp.detach() + 0.4 * torch.randn(logp.shape, generator=g, dtype=DT)
-    ppo = policy_loss(logp, behavior, adv, mask, LossConfig(loss_type="ppo", agg=agg))
+    ppo = policy_loss(
+        logp, behavior, adv, mask, LossConfig(loss_type="ppo", agg=agg, agg_norm_len=NORM_LEN)
+    )
     dec = policy_loss(
         logp,
         behavior,
         adv,
         mask,
-        LossConfig(loss_type="decoupled", agg=agg, decoupled_cap=3.0),
+        LossConfig(loss_type="decoupled", agg=agg, agg_norm_len=NORM_LEN, decoupled_cap=3.0),
         prox_logp=behavior.clone(),
     )
     torch.testing.assert_close(dec.loss, ppo.loss)
@@ -195,16 +204,75 @@ def test_decoupled_equals_ppo_when_prox_is_behavior(agg: str) -> None:
     assert float(ppo.clip_frac_low) + float(ppo.clip_frac_high) > 0  # the clip was exercised
 
 
-def test_decoupled_weight_is_capped() -> None:
+@pytest.mark.parametrize(
+    "cap, grad, masked", [(2.0, [0.0, -0.75], 0.5), (None, [-2.5, -0.75], 0.0)]
+)
+def test_decoupled_weight_is_capped_by_masking(cap, grad, masked) -> None:
+    # k = pi_prox / mu = 5 and 1.5: beyond the cap the token is dropped (AReaL), not truncated.
     logp = torch.tensor([[-1.0, -1.0]], dtype=DT, requires_grad=True)
     prox = logp.detach().clone()
     behavior = prox - torch.tensor([[math.log(5.0), math.log(1.5)]], dtype=DT)
-    cfg = LossConfig(loss_type="decoupled", decoupled_cap=2.0)
+    cfg = LossConfig(loss_type="decoupled", decoupled_cap=cap)
     out = policy_loss(
         logp, behavior, torch.ones(1, 2, dtype=DT), torch.ones(1, 2), cfg, prox_logp=prox
     )
-    torch.testing.assert_close(grad_of(out.loss, logp), torch.tensor([[-1.0, -0.75]], dtype=DT))
-    assert float(out.is_weight_max) == pytest.approx(2.0)
+    torch.testing.assert_close(grad_of(out.loss, logp), torch.tensor([grad], dtype=DT))
+    assert float(out.masked_frac) == masked
+    assert float(out.is_weight_max) == pytest.approx(1.5 if cap else 5.0)
+
+
+@pytest.mark.parametrize("loss_type", ["ppo", "decoupled", "tis"])
+def test_dual_clip_bounds_a_negative_advantage_token(loss_type: str) -> None:
+    """A token with A < 0 at r = 100 contributes at most c times its on-policy gradient."""
+    c = 3.0
+
+    def grad_at(ratio: float, clip_ratio_c: float | None) -> tuple[float, object]:
+        logp = torch.tensor([[-1.0, -1.0]], dtype=DT, requires_grad=True)
+        log_r = torch.tensor([[math.log(ratio), 0.0]], dtype=DT)
+        # ppo: r = pi / mu; tis / decoupled: k = 1 (pi_old = mu) and r_old = pi / pi_old.
+        prox = logp.detach() - log_r if loss_type != "ppo" else None
+        cfg = LossConfig(loss_type=loss_type, clip_ratio_c=clip_ratio_c, decoupled_cap=None)
+        adv = torch.tensor([[-1.0, 1.0]], dtype=DT)
+        out = policy_loss(logp, logp.detach() - log_r, adv, torch.ones(1, 2), cfg, prox_logp=prox)
+        return float(grad_of(out.loss, logp)[0, 0]), out
+
+    on_policy, _ = grad_at(1.0, c)
+    assert on_policy == pytest.approx(0.5)  # -A * r / n_tokens
+    for ratio in (3.5, 100.0):
+        g, out = grad_at(ratio, c)
+        assert abs(g) <= c * abs(on_policy)
+        assert g == 0.0 and float(out.clip_frac_dual) == 0.5
+        # The reported weight is the one applied: 0 for the clipped token, 1 for the other.
+        assert float(out.is_weight_mean) == pytest.approx(0.5) and float(out.ess_frac) == 0.5
+        # Without the dual clip the token's gradient is the full ratio times the on-policy one.
+        g_off, out_off = grad_at(ratio, None)
+        assert g_off == pytest.approx(ratio * on_policy)
+        assert float(out_off.clip_frac_dual) == 0.0
+    g, _ = grad_at(2.5, c)  # below c the dual clip does not bind
+    assert g == pytest.approx(2.5 * on_policy)
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_icepop_renorm_removes_masked_tokens_from_the_denominator(agg: str) -> None:
+    # k per token: 1, 1.5, 10 (outside [0.5, 2]) in sequence 0; 1, 1 in sequence 1.
+    logp = torch.full((2, 3), -1.0, dtype=DT, requires_grad=True)
+    k = torch.tensor([[1.0, 1.5, 10.0], [1.0, 1.0, 1.0]], dtype=DT)
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+    adv = torch.ones(2, 3, dtype=DT)
+
+    def grads(renorm: bool) -> torch.Tensor:
+        cfg = LossConfig(loss_type="icepop", agg=agg, icepop_renorm=renorm)
+        prox = logp.detach()
+        return grad_of(policy_loss(logp, prox - k.log(), adv, mask, cfg, prox_logp=prox).loss, logp)
+
+    kept_k = torch.tensor([[1.0, 1.5, 0.0], [1.0, 1.0, 0.0]], dtype=DT)
+    if agg == "token-mean":  # 5 valid tokens, 4 kept
+        plain, renormed = -kept_k / 5, -kept_k / 4
+    else:  # per sequence: 3 valid / 2 kept, and 2 / 2; mean over 2 sequences
+        plain = -kept_k / torch.tensor([[3.0], [2.0]], dtype=DT) / 2
+        renormed = -kept_k / torch.tensor([[2.0], [2.0]], dtype=DT) / 2
+    torch.testing.assert_close(grads(False), plain)
+    torch.testing.assert_close(grads(True), renormed)
 
 
 @pytest.mark.parametrize("agg", AGGS)
@@ -215,7 +283,7 @@ def test_gradient_accumulation_matches_full_batch(loss_type: str, agg: str) -> N
     g = torch.Generator().manual_seed(11)
     behavior = logp.detach() + 0.3 * torch.randn(logp.shape, generator=g, dtype=DT)
     prox = logp.detach() + 0.1 * torch.randn(logp.shape, generator=g, dtype=DT)
-    cfg = LossConfig(loss_type=loss_type, agg=agg)
+    cfg = LossConfig(loss_type=loss_type, agg=agg, agg_norm_len=NORM_LEN)
     full = policy_loss(logp, behavior, adv, mask, cfg, prox_logp=prox)
     n_tok, n_seq = int(mask.sum()), mask.shape[0]
     total = torch.zeros((), dtype=DT)
@@ -381,9 +449,12 @@ def test_ppo_value_and_diagnostics() -> None:
     surr = -torch.minimum(r * adv, r.clamp(0.8, 1.2) * adv)
     assert float(out.loss.detach()) == pytest.approx(float(surr.mean()))
     assert float(out.pg_loss) == pytest.approx(float(surr.mean()))
-    assert float(out.is_weight_mean) == pytest.approx(float(r.mean()))
-    assert float(out.is_weight_max) == pytest.approx(2.0)
-    assert float(out.ess_frac) == pytest.approx(float(r.sum() ** 2 / (4 * (r**2).sum())))
+    # The weight the gradient gets: r where the clip does not bind, 0 at r = 2.0 (A > 0).
+    w = torch.tensor([[0.5, 1.0, 1.1, 0.0]], dtype=DT)
+    assert float(out.is_weight_mean) == pytest.approx(float(w.mean()))
+    assert float(out.is_weight_max) == pytest.approx(1.1)
+    assert float(out.ess_frac) == pytest.approx(float(w.sum() ** 2 / (4 * (w**2).sum())))
+    assert float(out.ratio_max_dev) == pytest.approx(1.0)
     k3 = (r - 1 - r.log()).mean()
     assert float(out.approx_kl) == pytest.approx(float(k3))
     m = out.metrics()
@@ -392,10 +463,12 @@ def test_ppo_value_and_diagnostics() -> None:
         "pg_loss",
         "clip_frac_low",
         "clip_frac_high",
+        "clip_frac_dual",
         "is_weight_mean",
         "is_weight_max",
         "ess_frac",
         "masked_frac",
+        "ratio_max_dev",
         "approx_kl",
     }
     assert all(isinstance(v, float) for v in m.values())
@@ -416,6 +489,8 @@ def test_ppo_value_and_diagnostics() -> None:
         ({"icepop_low": 1.5}, "icepop_low"),
         ({"icepop_high": 0.9}, "icepop_high"),
         ({"decoupled_cap": 0.0}, "decoupled_cap"),
+        ({"clip_ratio_c": 1.0}, "clip_ratio_c"),
+        ({"agg_norm_len": 0}, "agg_norm_len"),
         ({"m2po_tau": 0.0}, "m2po_tau"),
         ({"kl_coef": -1.0}, "kl_coef"),
         ({"entropy_coef": -0.1}, "entropy_coef"),
@@ -440,6 +515,8 @@ def test_policy_loss_argument_errors() -> None:
         policy_loss(logp, mu, adv, mask, LossConfig(entropy_coef=0.1))
     with pytest.raises(ValueError, match="staleness"):
         policy_loss(logp, mu, adv, mask, LossConfig(staleness_decay=0.9))
+    with pytest.raises(ValueError, match="agg_norm_len"):
+        policy_loss(logp, mu, adv, mask, LossConfig(agg="seq-mean-token-sum-norm"))
     with pytest.raises(ValueError, match="behavior_logp"):
         policy_loss(logp, mu[:, :-1], adv, mask, LossConfig())
     with pytest.raises(ValueError, match="advantages"):

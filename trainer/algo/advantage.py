@@ -3,8 +3,10 @@
 Every prompt is sampled ``group_size`` times; each completion's advantage is its reward relative
 to the other samples of the same group (same ``group_id``):
 
-* ``"grpo"``   -- ``(r - mean_g) / (std_g + eps)`` with the *population* std (``ddof=0``), so a
-  group of two rewards {0, 1} gets advantages of about -1/+1;
+* ``"grpo"``   -- ``(r - mean_g) / (std_g + eps)``; by default (``ddof=0``) with the *population*
+  std, so a group of two rewards {0, 1} gets advantages of about -1/+1. ``ddof=1`` uses the
+  sample std (verl's and TRL's ``torch.std`` convention): {0, 1} gives about -0.71/+0.71. The
+  default stays 0 so existing runs and stores are reproduced bit for bit;
 * ``"drgrpo"`` -- ``r - mean_g`` (Dr. GRPO drops the std normalisation, which otherwise
   up-weights groups whose rewards barely differ).
 
@@ -30,14 +32,19 @@ def group_advantages(
     *,
     mode: AdvantageMode = "grpo",
     eps: float = 1e-6,
+    ddof: int = 0,
 ) -> np.ndarray:
     """Per-row group-normalised advantages as a float32 array shaped like ``rewards``.
 
     ``group_ids`` may hold any hashable-by-numpy values (ints, strings); rows with equal ids
     form a group. Statistics are computed in float64 and only the result is cast to float32.
+    ``ddof``: 0 (population std, the default) or 1 (sample std); a one-row group is constant
+    and gets 0 either way.
     """
     if mode not in _MODES:
         raise ValueError(f"unknown advantage mode {mode!r}; choose one of {list(_MODES)}")
+    if ddof not in (0, 1) or isinstance(ddof, bool):
+        raise ValueError(f"ddof must be 0 (population std) or 1 (sample std), got {ddof!r}")
     if not eps >= 0:
         raise ValueError(f"eps must be >= 0, got {eps}")
     r = np.asarray(rewards, dtype=np.float64)
@@ -64,5 +71,10 @@ def group_advantages(
     centered[(gmax == gmin)[inverse]] = 0.0
     if mode == "drgrpo":
         return centered.astype(np.float32)
-    std = np.sqrt(np.bincount(inverse, weights=centered * centered) / counts)
-    return (centered / (std[inverse] + eps)).astype(np.float32)
+    # Groups of one row are constant (centered == 0): max(.., 1) only avoids 0 / 0.
+    denom = counts if ddof == 0 else np.maximum(counts - ddof, 1)
+    std = np.sqrt(np.bincount(inverse, weights=centered * centered) / denom)
+    scale = std[inverse] + eps
+    # A constant group with eps = 0 is 0 / 0: its advantages are exactly 0, as documented.
+    out = np.divide(centered, scale, out=np.zeros_like(centered), where=scale > 0)
+    return out.astype(np.float32)

@@ -1,7 +1,9 @@
 """Splitting a replay batch (padded or packed) into micro-batches, and unpacking packed rows.
 
 A padded batch splits along sequences; a packed one along ``cu_seqlens``. Per-sequence keys
-(``_SEQ_KEYS``) follow their sequences; per-token keys their tokens.
+(``_SEQ_KEYS``) follow their sequences; per-token keys their tokens; ``(n, L-1)`` per-sequence
+grids (``_GRID_KEYS``, e.g. the learner's pi_old log-probs) their rows. ``select_sequences``
+takes any subset of a batch's sequences (the learner's PPO mini-batches).
 """
 
 from __future__ import annotations
@@ -15,7 +17,12 @@ from torch import Tensor
 from rolloutstore.replay.loader import micro_batches
 
 # Keys of a batch holding one value per sequence; everything else per token or scalar.
-_SEQ_KEYS = ("policy_version", "staleness", "weights", "rewards", "seq_advantages")
+_SEQ_KEYS = (
+    "policy_version", "staleness", "weights", "rewards", "seq_advantages",
+    "temperature", "top_k", "top_p",
+)  # fmt: skip
+# Per-sequence (n, L-1) grids in the unpacked layout (row i: sequence i's target columns).
+_GRID_KEYS = ("old_logprobs",)
 
 
 _TOKEN_KEYS = ("input_ids", "attention_mask", "position_ids")
@@ -32,18 +39,49 @@ def num_sequences(batch: dict[str, Any]) -> int:
     return len(batch["weights"])
 
 
+def sequence_lengths(batch: dict[str, Any]) -> np.ndarray:
+    """Tokens (prompt + completion) of each sequence of a padded or packed batch."""
+    if is_packed(batch):
+        return np.diff(batch["cu_seqlens"].long().cpu().numpy())
+    return batch["attention_mask"].sum(dim=1).cpu().numpy()
+
+
+def _select_padded(batch: dict[str, Any], idx: np.ndarray, lengths: np.ndarray) -> dict:
+    width = int(lengths[idx].max())
+    ix = torch.from_numpy(np.asarray(idx, dtype=np.int64))
+    mb = {k: batch[k][ix, :width] for k in _TOKEN_KEYS}
+    mb.update({k: batch[k][ix, : width - 1] for k in _TARGET_KEYS})
+    mb.update({k: batch[k][ix] for k in _SEQ_KEYS if k in batch})
+    mb.update({k: batch[k][ix, : width - 1] for k in _GRID_KEYS if k in batch})
+    return mb
+
+
 def split_padded(batch: dict[str, Any], max_tokens: int) -> list[dict[str, Any]]:
     """Micro-batches of whole sequences, each trimmed to its own longest sequence."""
-    lengths = batch["attention_mask"].sum(dim=1).cpu().numpy()
-    out = []
-    for idx in micro_batches(lengths, max_tokens):
-        width = int(lengths[idx].max())
-        ix = torch.from_numpy(idx)
-        mb = {k: batch[k][ix, :width] for k in _TOKEN_KEYS}
-        mb.update({k: batch[k][ix, : width - 1] for k in _TARGET_KEYS})
-        mb.update({k: batch[k][ix] for k in _SEQ_KEYS if k in batch})
-        out.append(mb)
-    return out
+    lengths = sequence_lengths(batch)
+    return [_select_padded(batch, idx, lengths) for idx in micro_batches(lengths, max_tokens)]
+
+
+def select_sequences(batch: dict[str, Any], idx: np.ndarray) -> dict[str, Any]:
+    """Sequences ``idx`` (in that order) of a padded or packed batch, as a batch of its kind."""
+    lengths = sequence_lengths(batch)
+    if not is_packed(batch):
+        return _select_padded(batch, idx, lengths)
+    cu = batch["cu_seqlens"].long().cpu().numpy()
+    tok = torch.from_numpy(np.concatenate([np.arange(cu[i], cu[i + 1]) for i in idx]))
+    mb = {k: batch[k][:, tok] for k in _TOKEN_KEYS}
+    # New target column j scores new token j+1: the old column tok[j+1] - 1. Where j+1 starts
+    # a sequence that column belongs to another one, but packed_target_mask drops it anyway.
+    col = torch.clamp(tok[1:] - 1, min=0)
+    mb.update({k: batch[k][:, col] for k in _TARGET_KEYS})
+    ix = torch.from_numpy(np.asarray(idx, dtype=np.int64))
+    mb.update({k: batch[k][ix] for k in _SEQ_KEYS if k in batch})
+    width = int(lengths[idx].max()) - 1
+    mb.update({k: batch[k][ix, :width] for k in _GRID_KEYS if k in batch})
+    cu_new = np.zeros(len(idx) + 1, np.int32)
+    np.cumsum(lengths[idx], out=cu_new[1:])
+    mb["cu_seqlens"] = torch.from_numpy(cu_new)
+    return mb
 
 
 def split_packed(batch: dict[str, Any], max_tokens: int) -> list[dict[str, Any]]:

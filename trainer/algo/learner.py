@@ -6,11 +6,22 @@ or packed batch dict, or the list of micro-batch dicts the loader yields when it
 
 1. split the batch into micro-batches of at most ``OptimConfig.micro_batch_tokens`` tokens
    (a single dict only; padded batches split along sequences, packed ones along ``cu_seqlens``);
-2. per micro-batch: the model's per-token log-probs under the generator's sampling processing
-   (``temperature``, ``top_k``, ``top_p``) with :func:`trainer.algo.logprobs.sequence_logprobs`, the
+2. per micro-batch: the model's per-token log-probs under each row's stored sampling processing
+   (``temperature``, ``top_k``, ``top_p``; :mod:`trainer.algo.behavior`, which also refuses rows
+   it cannot reproduce) with :func:`trainer.algo.logprobs.sequence_logprobs`, the
    configured :func:`trainer.algo.loss.policy_loss` normalised by the token / sequence count of the
    *whole* step, and ``backward`` — so the accumulated gradient equals one big batch's;
 3. clip the global grad norm, AdamW step, LR schedule step, ``policy_version += 1``.
+
+PPO epochs (``OptimConfig.ppo_epochs`` x ``mini_batches`` > 1, single learner only): the drawn
+batch is first scored once with the current weights (pi_old: eval mode, no grad), then split
+into ``mini_batches`` mini-batches (a permutation of its sequences drawn from (seed, learner
+step, epoch), so a resume repeats it) for ``ppo_epochs`` passes, each mini-batch one optimizer
+step (steps 2 and 3 without the schedule). ``policy_version``, ``steps_done`` and the LR schedule
+advance once per *drawn batch*: a policy version is a learner step, as everywhere else (rows'
+``policy_version``, staleness, ``max_staleness``, published weights), and one version then
+spans ``ppo_epochs * mini_batches`` updates; tis / icepop / decoupled correct that in-step drift
+through pi_old.
 
 Distributed (``trainer.run.distributed``): with ``learner.ddp`` set to a DDP-wrapped
 :class:`trainer.run.distributed.LogProbModule` of the model, each rank steps on its share of the
@@ -28,9 +39,10 @@ restarting ``position_ids``) and the per-token results are then scattered into a
 the ``seq-mean-*`` aggregations) mean the same as for a padded batch.
 
 pi_prox (``decoupled``; ``tis`` / ``icepop`` use the same quantity) is the policy at the start of
-this optimizer step. The learner takes exactly one optimizer step per batch, so the weights of
-the gradient forward *are* pi_prox and its detached log-probs are exactly what a separate no-grad
-forward would return; the learner uses them instead of paying for a second forward.
+this learner step. With one optimizer step per batch (the default) the weights of the gradient
+forward *are* pi_prox and its detached log-probs are exactly what a separate no-grad forward would
+return; the learner uses them instead of paying for a second forward. With PPO epochs it is the
+scored pi_old above.
 
 Usage::
 
@@ -49,16 +61,20 @@ import time
 from contextlib import nullcontext
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from trainer.algo.batching import (
     is_packed,
     num_sequences,
+    select_sequences,
+    sequence_lengths,
     split_packed,
     split_padded,
     unpack_index,
 )
+from trainer.algo.behavior import batch_rows, check_logprobs_modes, sampling_kwargs
 from trainer.algo.logprobs import packed_target_mask, sequence_logprobs
 from trainer.algo.loss import LossConfig, policy_loss
 from trainer.algo.optim import OptimConfig
@@ -66,7 +82,29 @@ from trainer.algo.optim import OptimConfig
 __all__ = ["Learner"]
 
 
+# Diagnostics that are maxima over the micro-batches (and ranks), not token-weighted means.
+_MAX_METRICS = ("is_weight_max", "ratio_max_dev")
+
+
 # -- batch plumbing ------------------------------------------------------------------------
+def _pieces(mbs: list[dict], offsets: np.ndarray, part: np.ndarray, *, with_index: bool = False):
+    """The sequences ``part`` (global, sorted) of the micro-batches, one piece per micro-batch."""
+    out = []
+    for i, mb in enumerate(mbs):
+        lo, hi = int(offsets[i]), int(offsets[i + 1])
+        local = part[(part >= lo) & (part < hi)] - lo
+        if len(local):
+            sub = select_sequences(mb, local)
+            out.append((i, local, sub) if with_index else sub)
+    return out
+
+
+def _mean_updates(updates: list[dict[str, float]]) -> dict[str, float]:
+    """One step's metrics from several updates: means, maxima for _MAX_METRICS, skipped counts."""
+    out = {k: sum(u[k] for u in updates) / len(updates) for k in updates[0]}
+    out.update({k: max(u[k] for u in updates) for k in _MAX_METRICS})
+    out["skipped"] = float(sum(u["skipped"] for u in updates))
+    return out
 
 
 # -- the learner ---------------------------------------------------------------------------
@@ -84,8 +122,8 @@ class Learner:
             float16 (autocast on ``device``; the weights stay as given, float32 master weights in
             the trainer). None: bfloat16 autocast on CUDA, float32 on CPU. The LM head and the
             softmax of the log-probs run in float32 regardless (trainer.algo.logprobs).
-        temperature, top_k, top_p: the generator's sampling processing, so the learner's
-            log-probs are of the distribution the behaviour log-probs came from.
+        temperature, top_k, top_p: the generator's sampling processing, used for rows whose
+            batch carries no per-row settings (each row is scored under its own stored ones).
         chunk_size: rows per LM-head chunk in the log-prob computation.
         ref_model: frozen reference model for the k3 KL penalty (required when
             ``loss_cfg.kl_coef > 0``).
@@ -110,6 +148,11 @@ class Learner:
     ):
         if not temperature > 0:
             raise ValueError(f"temperature must be > 0, got {temperature!r}")
+        if loss_cfg.agg == "seq-mean-token-sum-norm" and loss_cfg.agg_norm_len is None:
+            raise ValueError(
+                "loss_cfg.agg = 'seq-mean-token-sum-norm' needs agg_norm_len (e.g. the "
+                "generation's max_tokens; the training loops fill it in from [generation])"
+            )
         if loss_cfg.kl_coef > 0 and ref_model is None:
             raise ValueError(f"loss_cfg.kl_coef={loss_cfg.kl_coef} requires ref_model")
         self.loss_cfg = loss_cfg
@@ -123,6 +166,7 @@ class Learner:
         self.compute_entropy = compute_entropy or loss_cfg.entropy_coef > 0
         self.policy_version = 0
         self.steps_done = 0
+        self.update_metrics: list[dict[str, float]] = []  # per optimizer step of the last step
         # A DDP-wrapped (or, with `sharded`, fully_shard-ed) trainer.run.distributed.LogProbModule
         # of self.model (set by wrap_learner / shard_learner).
         self.ddp: Any | None = None
@@ -171,20 +215,62 @@ class Learner:
 
     # -- public API ------------------------------------------------------------------------
     def step(self, batch: dict[str, Any] | list[dict[str, Any]]) -> dict[str, float]:
-        """One optimizer step on one replay item; returns plain-float metrics.
+        """One learner step on one replay item; returns plain-float metrics.
+
+        By default (``OptimConfig.ppo_epochs = mini_batches = 1``) one optimizer step on the
+        whole item. Otherwise see :meth:`_ppo_updates`: ``ppo_epochs * mini_batches`` optimizer
+        steps on mini-batches of it, and the metrics are means over those updates
+        (``is_weight_max`` / ``ratio_max_dev`` maxima, ``skipped`` a count); the per-update
+        metrics are kept in ``self.update_metrics``.
 
         Metrics: ``loss`` and every :class:`trainer.algo.loss.LossOutput` diagnostic (token-weighted
-        means over micro-batches; ``is_weight_max`` their max; ``ess_frac`` is the
-        token-weighted mean of the micro-batches' ESS fractions), ``grad_norm`` (before
+        means over micro-batches; ``is_weight_max`` and ``ratio_max_dev`` their max; ``ess_frac``
+        is the token-weighted mean of the micro-batches' ESS fractions), ``grad_norm`` (before
         clipping), ``lr`` (used for this step), ``tokens`` (loss tokens), ``sequences``,
-        ``micro_batches``, ``policy_version`` (after the step), ``staleness`` (mean),
-        ``skipped`` (1 when the gradient was not finite and no update was made), ``seconds``.
+        ``micro_batches``, ``optimizer_steps`` (updates applied), ``policy_version`` (after the
+        step), ``staleness`` (mean), ``skipped`` (1 when the gradient was not finite and no
+        update was made), ``seconds``.
         """
         t0 = time.perf_counter()
+        check_logprobs_modes(batch_rows(batch), f"learner step {self.steps_done}")
         mbs, tokens, seqs = self._micro_batches(batch)
+        oc = self.optim_cfg
+        if oc.ppo_epochs * oc.mini_batches == 1:
+            sums, staleness_sum = self._accumulate(mbs, tokens, seqs)
+            grad_norm, lr, skipped = self._update()
+            updates = [{**sums, "grad_norm": grad_norm, "skipped": float(skipped)}]
+        else:
+            updates, staleness_sum, lr = self._ppo_updates(mbs)
+        self.update_metrics = updates
+        applied = sum(u["skipped"] == 0.0 for u in updates)
+        if applied:
+            # The LR schedule and policy_version count learner steps (drawn batches).
+            self.scheduler.step()
+            self.policy_version += 1
+            self.steps_done += 1
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # so `seconds` measures the work, not launches
+
+        sums = updates[0] if len(updates) == 1 else _mean_updates(updates)
+        sums.update(
+            lr=float(lr),
+            tokens=float(tokens),
+            sequences=float(seqs),
+            micro_batches=float(len(mbs)),
+            optimizer_steps=float(applied),
+            policy_version=float(self.policy_version),
+            staleness=staleness_sum / max(seqs, 1),
+            seconds=time.perf_counter() - t0,
+        )
+        return sums if self.ddp is None else self._reduce_metrics(sums)
+
+    def _accumulate(
+        self, mbs: list[dict[str, Any]], tokens: int, seqs: int
+    ) -> tuple[dict[str, float], float]:
+        """Forward + backward of every micro-batch into fresh gradients; (metrics, staleness sum)."""
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
-        weight_max = 0.0
+        maxes = dict.fromkeys(_MAX_METRICS, 0.0)
         staleness_sum = 0.0
         for i, mb in enumerate(mbs):
             mb = self._to_device(mb)
@@ -200,14 +286,19 @@ class Learner:
             with sync:
                 out, n_tok = self._forward_backward(mb, tokens, seqs)
             m = out.metrics()
-            weight_max = max(weight_max, m.pop("is_weight_max"))
+            for k in _MAX_METRICS:
+                maxes[k] = max(maxes[k], m.pop(k))
             m.pop("mean_staleness", None)
             staleness_sum += float(mb["staleness"].double().sum())
             for k, v in m.items():
                 # loss / pg_loss are already globally normalised: they add up to the step's.
                 w = 1.0 if k in ("loss", "pg_loss") else n_tok / max(tokens, 1)
                 sums[k] = sums.get(k, 0.0) + w * v
+        sums.update(maxes)
+        return sums, staleness_sum
 
+    def _update(self) -> tuple[float, float, bool]:
+        """Clip and apply the accumulated gradient: (grad_norm, lr, skipped)."""
         grad_norm = float(self._clip_grad_norm())
         lr = self.optimizer.param_groups[0]["lr"]
         skipped = not math.isfinite(grad_norm)
@@ -216,25 +307,64 @@ class Learner:
             self.optimizer.zero_grad(set_to_none=True)
         else:
             self.optimizer.step()
-            self.scheduler.step()
-            self.policy_version += 1
-            self.steps_done += 1
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # so `seconds` measures the work, not launches
+        return grad_norm, lr, skipped
 
-        sums["is_weight_max"] = weight_max
-        sums.update(
-            grad_norm=grad_norm,
-            lr=float(lr),
-            tokens=float(tokens),
-            sequences=float(seqs),
-            micro_batches=float(len(mbs)),
-            policy_version=float(self.policy_version),
-            staleness=staleness_sum / max(seqs, 1),
-            skipped=float(skipped),
-            seconds=time.perf_counter() - t0,
-        )
-        return sums if self.ddp is None else self._reduce_metrics(sums)
+    def _ppo_updates(self, mbs: list[dict[str, Any]]) -> tuple[list[dict], float, float]:
+        """``ppo_epochs`` passes of ``mini_batches`` optimizer steps over one drawn batch.
+
+        pi_old: before the first update every sequence is scored once with the current weights
+        (eval mode, no grad), on exactly the tensors of the first epoch's mini-batches, so the
+        first mini-batch's ratio pi_theta / pi_old is exactly 1; tis / icepop / decoupled use
+        these log-probs as ``prox_logp``. The sequences of a pass are split by a permutation
+        drawn from ``(seed, steps_done, epoch)``, so a resumed learner repeats the order.
+        """
+        if self.ddp is not None:
+            raise ValueError(
+                "[optim] ppo_epochs / mini_batches > 1 are single-learner for now (ranks would "
+                "need equal mini-batches); under torchrun keep them at 1"
+            )
+        oc = self.optim_cfg
+        counts = [num_sequences(mb) for mb in mbs]
+        offsets = np.concatenate([[0], np.cumsum(counts)])
+        plans = [self._mini_batch_plan(int(offsets[-1]), e) for e in range(oc.ppo_epochs)]
+        mbs = self._with_old_logprobs(mbs, offsets, plans[0])
+        updates, staleness_sum, lr = [], 0.0, 0.0
+        for plan in plans:
+            for part in plan:
+                subs = _pieces(mbs, offsets, part)
+                tokens = sum(int(self._target_mask(mb).sum()) for mb in subs)
+                sums, stal = self._accumulate(subs, tokens, len(part))
+                grad_norm, lr, skipped = self._update()
+                updates.append({**sums, "grad_norm": grad_norm, "skipped": float(skipped)})
+                staleness_sum += stal / oc.ppo_epochs  # every sequence once per epoch
+        return updates, staleness_sum, lr
+
+    def _mini_batch_plan(self, n_seqs: int, epoch: int) -> list[np.ndarray]:
+        """Epoch ``epoch``'s mini-batches of global sequence indices (sorted; none empty)."""
+        rng = np.random.default_rng([self.optim_cfg.seed, self.steps_done, epoch])
+        parts = np.array_split(rng.permutation(n_seqs), self.optim_cfg.mini_batches)
+        return [np.sort(p) for p in parts if len(p)]
+
+    @torch.no_grad()
+    def _with_old_logprobs(self, mbs: list[dict], offsets: np.ndarray, plan: list) -> list[dict]:
+        """The micro-batches with an ``old_logprobs`` ``(n, L-1)`` grid of the current weights."""
+        grids = []
+        for mb in mbs:
+            width = mb["input_ids"].shape[1] - 1
+            if is_packed(mb):
+                width = max(int(sequence_lengths(mb).max()) - 1, 1)
+            grids.append(torch.zeros(num_sequences(mb), width, dtype=torch.float32))
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            for part in plan:
+                for i, local, sub in _pieces(mbs, offsets, part, with_index=True):
+                    with self._autocast():
+                        logp = self._logprobs(self.model, self._to_device(sub), entropy=False)[0]
+                    grids[i][torch.from_numpy(local), : logp.shape[1]] = logp.float().cpu()
+        finally:
+            self.model.train(was_training)
+        return [{**mb, "old_logprobs": g} for mb, g in zip(mbs, grids)]
 
     def _clip_grad_norm(self) -> Tensor:
         max_norm = self.optim_cfg.grad_clip if self.optim_cfg.grad_clip else math.inf
@@ -254,8 +384,16 @@ class Learner:
         import torch.distributed as dist
 
         # Equal on every rank already: computed from the all-reduced gradient or totals.
-        same = {"grad_norm", "lr", "tokens", "sequences", "policy_version", "skipped"}
-        top = ["is_weight_max", "seconds"]
+        same = {
+            "grad_norm",
+            "lr",
+            "tokens",
+            "sequences",
+            "policy_version",
+            "skipped",
+            "optimizer_steps",
+        }
+        top = [*_MAX_METRICS, "seconds"]
         # The rest are partial sums: loss terms are normalised by the global totals, the
         # diagnostics weighted by n_tok / global tokens, staleness divided by global sequences.
         keys = sorted(k for k in sums if k not in same and k not in top)
@@ -406,11 +544,9 @@ class Learner:
             # Packed rows rely on the restarting position ids for isolation (see logprobs.py).
             attention_mask=None if packed else mb["attention_mask"],
             position_ids=mb["position_ids"],
-            temperature=self.temperature,
-            top_k=self.top_k,
-            top_p=self.top_p,
             chunk_size=self.chunk_size,
             return_entropy=entropy,
+            **sampling_kwargs(mb, (self.temperature, self.top_k, self.top_p), self.device),
         )
         if (
             self.ddp is not None
@@ -447,9 +583,12 @@ class Learner:
             if self.ref_model is not None:
                 with torch.no_grad():
                     ref = self._logprobs(self.ref_model, mb, entropy=False)[0]
-        lt = self.loss_cfg.loss_type
-        # One optimizer step per batch: the current weights are pi_prox (module docstring).
-        prox = logp.detach() if lt in ("tis", "icepop", "decoupled") else None
+        prox = None
+        if self.loss_cfg.loss_type in ("tis", "icepop", "decoupled"):
+            # pi_old scored before the step's first update (PPO epochs), else the current
+            # weights, which are pi_old when the step makes one update (module docstring).
+            old = mb.get("old_logprobs")
+            prox = old.to(logp.dtype) if old is not None else logp.detach()
         out = policy_loss(
             logp,
             blp,

@@ -32,6 +32,10 @@ with exactly the rules of transformers' logits warpers and vLLM's sampler:
    sampler reuses its one sort of the raw logits where transformers (and this module) sort the
    top-k-masked logits again; and vLLM on GPU may use a Triton top-k/top-p kernel.
 
+Rows sampled with different settings (the learner scores each replayed row under its own):
+``sequence_logprobs(..., groups=, group_settings=)`` runs the body once and the head once per
+settings group.
+
 Tokens outside the kept set get log-prob ``-inf``; the entropy is that of the processed
 distribution. The kept set is treated as a constant of the logits (no gradient through the
 selection), as in any sampler.
@@ -41,6 +45,7 @@ Double backward through the chunked head is not supported (nothing in the traine
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,12 +54,17 @@ from torch import Tensor
 
 __all__ = [
     "LogProbOutput",
+    "Sampling",
     "naive_token_logprobs",
     "packed_target_mask",
     "sequence_logprobs",
     "token_logprobs",
     "top_p_keep",
 ]
+
+
+# (temperature, top_k or None, top_p or None): one sampler's processing.
+Sampling = tuple[float, int | None, float | None]
 
 
 @dataclass(frozen=True)
@@ -387,6 +397,8 @@ def sequence_logprobs(
     top_p: float | None = None,
     chunk_size: int = 1024,
     return_entropy: bool = False,
+    groups: Tensor | None = None,
+    group_settings: Sequence[Sampling] | None = None,
 ) -> LogProbOutput:
     """Next-token log-probs of ``input_ids`` under a HuggingFace causal LM, chunked.
 
@@ -405,6 +417,11 @@ def sequence_logprobs(
     when no mask is given; on GPU, flash-attention varlen gives true isolation without the
     ``(T, T)`` mask). The log-prob at each sequence boundary (last token of one sequence
     "predicting" the first of the next) is meaningless: mask it with :func:`packed_target_mask`.
+
+    Rows sampled with different settings: ``groups`` ``(B, T-1)`` gives every target position an
+    index into ``group_settings`` (``(temperature, top_k, top_p)`` each); the body runs once and
+    the head once per group, on that group's positions (``temperature`` / ``top_k`` / ``top_p``
+    are then ignored).
     """
     if input_ids.dim() != 2 or input_ids.shape[1] < 2:
         raise ValueError(f"input_ids must be (B, T) with T >= 2, got {tuple(input_ids.shape)}")
@@ -417,6 +434,9 @@ def sequence_logprobs(
     )
     hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
     head = model.lm_head
+    if groups is not None:
+        return _grouped_head(hidden[:, :-1], head, input_ids[:, 1:], groups, group_settings,
+                             chunk_size=chunk_size, return_entropy=return_entropy)  # fmt: skip
     return token_logprobs(
         hidden[:, :-1],
         head.weight,
@@ -427,6 +447,45 @@ def sequence_logprobs(
         chunk_size=chunk_size,
         return_entropy=return_entropy,
         lm_head_bias=getattr(head, "bias", None),
+    )
+
+
+def _grouped_head(
+    hidden: Tensor,
+    head: Any,
+    targets: Tensor,
+    groups: Tensor,
+    settings: Sequence[Sampling] | None,
+    *,
+    chunk_size: int,
+    return_entropy: bool,
+) -> LogProbOutput:
+    """:func:`token_logprobs` per settings group, scattered back (differentiably) in place."""
+    if settings is None or tuple(groups.shape) != tuple(targets.shape):
+        raise ValueError(
+            f"groups must be shaped like the targets {tuple(targets.shape)} and come with "
+            f"group_settings, got {tuple(groups.shape)} and {settings!r}"
+        )
+    flat_h = hidden.reshape(-1, hidden.shape[-1])
+    flat_t, flat_g = targets.reshape(-1), groups.reshape(-1)
+    dtype = _head_dtype(hidden, head.weight)
+    logp = flat_h.new_zeros(flat_t.shape, dtype=dtype)
+    ent = flat_h.new_zeros(flat_t.shape, dtype=dtype) if return_entropy else None
+    for g, (temperature, top_k, top_p) in enumerate(settings):
+        idx = (flat_g == g).nonzero().squeeze(1)
+        if not len(idx):
+            continue
+        out = token_logprobs(
+            flat_h[idx], head.weight, flat_t[idx], temperature=temperature, top_k=top_k,
+            top_p=top_p, chunk_size=chunk_size, return_entropy=return_entropy,
+            lm_head_bias=getattr(head, "bias", None),
+        )  # fmt: skip
+        logp = logp.index_put((idx,), out.logprobs)
+        if ent is not None:
+            ent = ent.index_put((idx,), out.entropy)
+    return LogProbOutput(
+        logprobs=logp.reshape(targets.shape),
+        entropy=ent.reshape(targets.shape) if ent is not None else None,
     )
 
 

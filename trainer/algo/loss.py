@@ -3,160 +3,110 @@
 Every loss is a pure function of ``(B, T)`` tensors: the learner's current per-token log-probs
 ``logp`` (with grad), the behaviour policy's log-probs ``behavior_logp`` stored with the rollout
 (mu, the generator that sampled it, possibly many steps stale), advantages and a validity mask.
-Some variants also use ``prox_logp`` — the log-probs of a recent "proximal" policy pi_prox
-(e.g. the learner at the start of this optimisation step, recomputed without grad).
+Some variants also use ``prox_logp`` — the log-probs of the proximal policy pi_old: the learner
+at the start of this learner step, i.e. before the first of its optimizer steps (the config
+lives in :mod:`trainer.algo.loss_config`).
 
-Notation: r = pi_theta / mu, r_prox = pi_theta / pi_prox, k = pi_old / mu where pi_old is
+Notation: r = pi_theta / mu, r_old = pi_theta / pi_old, k = pi_old / mu where pi_old is
 ``prox_logp`` when given and ``logp.detach()`` otherwise. ``clip_surrogate(x)`` is the PPO
-objective ``-min(x * A, clip(x, 1 - eps_low, 1 + eps_high) * A)``. All weights written
-``sg[...]`` are detached.
+objective ``-min(x * A, clip(x, 1 - eps_low, 1 + eps_high) * A)``, and with the dual clip
+(``clip_ratio_c = c``, default 3, None: off) ``-max(min(...), c * A)`` for A < 0: a token with
+A < 0 and x > c gets no gradient, so no negative-advantage token's gradient exceeds c times its
+on-policy one. All weights written ``sg[...]`` are detached.
+
+"1x1" below is the default learner step: one drawn batch, one optimizer step
+(``[optim] ppo_epochs = mini_batches = 1``); then pi_old is the current weights, r_old == 1
+exactly and only mu -> pi_old matters. With ``ppo_epochs * mini_batches > 1`` the learner scores
+the batch once before its first update (pi_old, no grad) and every later mini-batch sees
+r_old != 1, so the clip around pi_old binds from the second mini-batch on.
 
 ``loss_type``:
 
-* ``ppo``: ``clip_surrogate(r)`` — clipped trust region directly against the stored behaviour
-  policy (GRPO/PPO with separate eps_low / eps_high, as in the replay-buffer setup).
-* ``tis``: ``sg[min(k, tis_cap)] * clip_surrogate(pi_theta / pi_old)`` — truncated IS.
-* ``icepop``: ``sg[k * 1{icepop_low <= k <= icepop_high}] * clip_surrogate(pi_theta / pi_old)``
-  — masked IS as in IcePop: tokens whose k leaves the band contribute nothing, the rest are
-  IS-weighted by k.
-* ``decoupled``: ``sg[min(pi_prox / mu, decoupled_cap)] * clip_surrogate(r_prox)`` — AReaL's
-  decoupled PPO; the trust region is around pi_prox rather than the stale mu. Needs prox_logp.
-* ``gspo``: sequence-level ratio ``s_i = exp(mean_t log r_it)``, clipped at the sequence level.
-  Implemented in the GSPO-token form ``s_it = sg[s_i] * pi_theta_t / sg[pi_theta_t]`` (value
-  s_i, gradient s_i * grad log pi_t), which equals sequence-level GSPO under
-  ``seq-mean-token-mean`` with per-sequence advantages and also accepts per-token advantages.
+* ``ppo``: ``clip_surrogate(r)`` (dual clip on) — the trust region is around the *stored* mu
+  (GRPO/PPO with separate eps_low / eps_high, as in the replay-buffer setup). 1x1 and epochs
+  alike: r measures drift from mu (staleness plus this step's earlier mini-batches); pi_old is
+  not used.
+* ``tis``: ``sg[min(k, tis_cap)] * clip_surrogate(r_old)`` — truncated IS. 1x1: the surrogate
+  is at r_old = 1, so the loss is a tis_cap-truncated IS policy gradient. Epochs: PPO's clip
+  around pi_old, IS weight fixed per step.
+* ``icepop``: ``sg[k * 1{icepop_low <= k <= icepop_high}] * clip_surrogate(r_old)`` — masked IS
+  as in IcePop: tokens whose k leaves the band contribute nothing, the rest are IS-weighted by
+  k. Masked tokens stay in the denominator unless ``icepop_renorm`` (default off): then the
+  kept tokens are scaled by valid / kept tokens — per sequence under ``seq-mean-token-mean``,
+  otherwise over the tensors given (per micro-batch, like m2po's mask) — so masked tokens leave
+  the denominator. 1x1 / epochs: as tis.
+* ``decoupled``: ``sg[k * 1{k <= decoupled_cap}] * clip_surrogate(r_old)`` — AReaL's decoupled
+  PPO; the trust region is around pi_old rather than the stale mu, and tokens whose behaviour
+  weight k exceeds the cap (default 5) are masked (AReaL's rule), not truncated;
+  ``decoupled_cap = None`` (set explicitly) leaves k uncapped. Needs prox_logp. 1x1: a
+  masked-IS policy gradient (tis with masking instead of truncation). Epochs: AReaL's setting.
+* ``gspo``: sequence-level ratio ``s_i = exp(mean_t log r_it)``, clipped at the sequence level
+  (no dual clip). Implemented in the GSPO-token form ``s_it = sg[s_i] * pi_theta_t /
+  sg[pi_theta_t]`` (value s_i, gradient s_i * grad log pi_t), which equals sequence-level GSPO
+  under ``seq-mean-token-mean`` with per-sequence advantages and also accepts per-token
+  advantages. Like ppo it is relative to mu, 1x1 and epochs alike.
 * ``asymre``: ``-(A - asymre_delta) * logp`` — off-policy REINFORCE with the baseline shifted by
   ``asymre_delta`` (baseline V = V_mu + delta; delta < 0 emphasises positive samples, the
-  regime Asymmetric REINFORCE recommends). No ratio.
+  regime Asymmetric REINFORCE recommends). No ratio, so nothing bounds the later mini-batches'
+  updates under epochs > 1 beyond the learning rate.
 * ``m2po``: M2PO second-moment masking: over the valid tokens of the batch, greedily mask the
   tokens with the largest ``(log r)^2`` until the mean over the kept tokens is <= m2po_tau, then
   the *unclipped* IS surrogate ``-r * A`` on the rest. The mask is computed over the tensors
-  given, so with gradient accumulation it is per micro-batch.
+  given, so with gradient accumulation it is per micro-batch; under epochs > 1 r includes the
+  step's own drift, which the mask then bounds.
 
-Masked-out tokens (icepop, m2po) still count in the normaliser, so masking shrinks the update
-instead of re-scaling the surviving tokens.
+Masked-out tokens (icepop without renorm, decoupled's cap, m2po) still count in the
+normaliser, so masking shrinks the update instead of re-scaling the surviving tokens.
 
 ``agg`` (the denominators can be overridden for gradient accumulation, see ``policy_loss``):
 
 * ``token-mean``: sum over all valid tokens / number of valid tokens in the batch;
 * ``seq-mean-token-sum``: per-sequence sum over tokens, mean over sequences;
-* ``seq-mean-token-mean``: per-sequence mean over its valid tokens, mean over sequences.
+* ``seq-mean-token-mean``: per-sequence mean over its valid tokens, mean over sequences;
+* ``seq-mean-token-sum-norm``: Dr. GRPO's constant normaliser, sum over all tokens /
+  (sequences * ``agg_norm_len``): no length bias from a per-sequence or per-batch token count
+  (the learner sets ``agg_norm_len`` to ``[generation].max_tokens`` when it is None).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
-from dataclasses import dataclass, fields
-from typing import Literal, get_args
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-__all__ = ["LOSSES", "Agg", "LossConfig", "LossOutput", "LossType", "policy_loss"]
+from trainer.algo.loss_config import AGGS, LOSS_TYPES, Agg, LossConfig, LossOutput, LossType
 
-LossType = Literal["ppo", "tis", "icepop", "decoupled", "gspo", "asymre", "m2po"]
-Agg = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
-
-LOSS_TYPES: tuple[str, ...] = get_args(LossType)
-AGGS: tuple[str, ...] = get_args(Agg)
+__all__ = [
+    "AGGS", "LOSSES", "LOSS_TYPES", "Agg", "LossConfig", "LossOutput", "LossType", "policy_loss",
+]  # fmt: skip
 
 # exp() of a larger log ratio overflows float32 and is meaningless anyway; beyond it the
 # gradient of the ratio is cut (clamp), which PPO's clip would mostly do already.
 _MAX_LOG_RATIO = 20.0
 
 
-@dataclass(frozen=True)
-class LossConfig:
-    """Which policy loss, how to aggregate it, and its hyper-parameters."""
+def _clip_surrogate(
+    ratio: Tensor, adv: Tensor, cfg: LossConfig, *, dual: bool = True
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(per-token loss, where the gradient flows, where the dual clip binds).
 
-    loss_type: LossType = "ppo"
-    agg: Agg = "token-mean"
-    eps_low: float = 0.2
-    eps_high: float = 0.2
-    tis_cap: float = 2.0
-    icepop_low: float = 0.5
-    icepop_high: float = 2.0
-    decoupled_cap: float | None = None
-    m2po_tau: float = 0.04
-    asymre_delta: float = -0.1
-    kl_coef: float = 0.0
-    entropy_coef: float = 0.0
-    # Per-sequence weight staleness_decay ** staleness (policy versions behind); None = off.
-    staleness_decay: float | None = None
-
-    def __post_init__(self) -> None:
-        if self.loss_type not in LOSS_TYPES:
-            raise ValueError(f"unknown loss_type {self.loss_type!r}; expected one of {LOSS_TYPES}")
-        if self.agg not in AGGS:
-            raise ValueError(f"unknown agg {self.agg!r}; expected one of {AGGS}")
-        for f in fields(self):
-            value = getattr(self, f.name)
-            is_number = isinstance(value, float | int) and not isinstance(value, bool)
-            if is_number and not math.isfinite(value):
-                raise ValueError(f"{f.name} must be finite, got {value!r}")
-        if not 0.0 <= self.eps_low < 1.0:
-            raise ValueError(f"eps_low must be in [0, 1), got {self.eps_low!r}")
-        if not self.eps_high >= 0.0:
-            raise ValueError(f"eps_high must be >= 0, got {self.eps_high!r}")
-        if not self.tis_cap > 0.0:
-            raise ValueError(f"tis_cap must be > 0, got {self.tis_cap!r}")
-        if not 0.0 <= self.icepop_low <= 1.0:
-            raise ValueError(f"icepop_low must be in [0, 1], got {self.icepop_low!r}")
-        if not self.icepop_high >= 1.0:
-            raise ValueError(f"icepop_high must be >= 1, got {self.icepop_high!r}")
-        if self.decoupled_cap is not None and not self.decoupled_cap > 0.0:
-            raise ValueError(f"decoupled_cap must be > 0 or None, got {self.decoupled_cap!r}")
-        if not self.m2po_tau > 0.0:
-            raise ValueError(f"m2po_tau must be > 0, got {self.m2po_tau!r}")
-        if not self.kl_coef >= 0.0:
-            raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef!r}")
-        if not self.entropy_coef >= 0.0:
-            raise ValueError(f"entropy_coef must be >= 0, got {self.entropy_coef!r}")
-        if self.staleness_decay is not None and not 0.0 < self.staleness_decay <= 1.0:
-            raise ValueError(
-                f"staleness_decay must be in (0, 1] or None, got {self.staleness_decay!r}"
-            )
-
-
-@dataclass(frozen=True)
-class LossOutput:
-    """The scalar loss (with grad) and detached 0-dim diagnostics.
-
-    Fractions and means are over valid tokens. ``clip_frac_low`` / ``clip_frac_high``: tokens
-    whose clip is binding (ratio < 1 - eps_low with A < 0 / ratio > 1 + eps_high with A > 0),
-    i.e. that get no policy gradient. ``is_weight_*`` and ``ess_frac`` describe the importance
-    weight the loss actually applies per token (0 for masked tokens; the raw pi/mu for asymre,
-    which applies none); ``ess_frac = (sum w)^2 / (n * sum w^2)``. ``masked_frac``: tokens
-    dropped by icepop / m2po. ``approx_kl``: k3 estimate of KL(mu || pi_theta).
+    ``-min(r * A, clip(r) * A)``, and with the dual clip ``-max(that, c * A)`` for A < 0.
     """
-
-    loss: Tensor
-    pg_loss: Tensor
-    clip_frac_low: Tensor
-    clip_frac_high: Tensor
-    is_weight_mean: Tensor
-    is_weight_max: Tensor
-    ess_frac: Tensor
-    masked_frac: Tensor
-    approx_kl: Tensor
-    entropy: Tensor | None = None
-    mean_staleness: Tensor | None = None
-    kl_ref: Tensor | None = None
-
-    def metrics(self) -> dict[str, float]:
-        """Plain floats for logging (synchronises with the device); ``None`` fields skipped."""
-        return {
-            f.name: float(getattr(self, f.name).detach())
-            for f in fields(self)
-            if getattr(self, f.name) is not None
-        }
-
-
-def _clip_surrogate(ratio: Tensor, adv: Tensor, eps_low: float, eps_high: float) -> Tensor:
     unclipped = ratio * adv
-    clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * adv
-    return -torch.minimum(unclipped, clipped)
+    clipped = torch.clamp(ratio, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high) * adv
+    objective = torch.minimum(unclipped, clipped)
+    r = ratio.detach()
+    flows = torch.where(adv > 0, r <= 1.0 + cfg.eps_high, r >= 1.0 - cfg.eps_low) | (adv == 0)
+    binds = torch.zeros_like(flows)
+    c = cfg.clip_ratio_c
+    if dual and c is not None:
+        # c * A is a constant floor of the objective: beyond r = c the gradient is 0.
+        objective = torch.where(adv < 0, torch.maximum(objective, c * adv), objective)
+        binds = (adv < 0) & (r > c)
+        flows = flows & ~binds
+    return -objective, flows, binds
 
 
 def _exp_ratio(log_ratio: Tensor) -> Tensor:
@@ -188,10 +138,11 @@ def _m2po_keep(log_ratio: Tensor, mask: Tensor, tau: float) -> Tensor:
 def _aggregate(
     per_token: Tensor,
     mask: Tensor,
-    agg: str,
+    cfg: LossConfig,
     num_tokens_global: float | None,
     num_seqs_global: float | None,
 ) -> Tensor:
+    agg = cfg.agg
     per_token = torch.where(mask, per_token, torch.zeros_like(per_token))
     if agg == "token-mean":
         denom = num_tokens_global if num_tokens_global is not None else mask.sum().clamp(min=1)
@@ -200,6 +151,8 @@ def _aggregate(
     seq_sum = per_token.sum(dim=-1)
     if agg == "seq-mean-token-sum":
         return seq_sum.sum() / n_seqs
+    if agg == "seq-mean-token-sum-norm":
+        return seq_sum.sum() / (n_seqs * cfg.agg_norm_len)
     if agg == "seq-mean-token-mean":
         return (seq_sum / mask.sum(dim=-1).clamp(min=1)).sum() / n_seqs
     raise ValueError(f"unknown agg {agg!r}; expected one of {AGGS}")
@@ -228,18 +181,26 @@ class _Tokens:
 @dataclass(frozen=True)
 class _PG:
     """What a per-loss function returns: the per-token policy-gradient loss and what the
-    diagnostics need (the detached IS weight applied, the tokens kept, the clipped ratio)."""
+    diagnostics need (the detached gradient weight w, d pg / d log pi = -w * A; the tokens
+    kept; the ratio the clip acts on; where the dual clip binds)."""
 
     pg: Tensor
     weight: Tensor
     keep: Tensor
     clip_ratio: Tensor | None = None
+    dual: Tensor | None = None
 
 
 def _ppo(t: _Tokens, cfg: LossConfig) -> _PG:
     ratio = _exp_ratio(t.log_r)
-    pg = _clip_surrogate(ratio, t.adv, cfg.eps_low, cfg.eps_high)
-    return _PG(pg, ratio.detach(), t.mask, ratio)
+    pg, flows, dual = _clip_surrogate(ratio, t.adv, cfg)
+    return _PG(pg, torch.where(flows, ratio.detach(), t.zero), t.mask, ratio, dual)
+
+
+def _renorm(keep: Tensor, mask: Tensor, agg: str) -> Tensor:
+    """valid / kept tokens: per sequence for seq-mean-token-mean, else over the tensors given."""
+    dims = {"dim": -1, "keepdim": True} if agg == "seq-mean-token-mean" else {}
+    return mask.sum(**dims) / keep.sum(**dims).clamp(min=1)
 
 
 def _proximal(t: _Tokens, cfg: LossConfig) -> _PG:
@@ -247,24 +208,29 @@ def _proximal(t: _Tokens, cfg: LossConfig) -> _PG:
     k = _exp_ratio(t.old - t.mu)
     keep = t.mask
     if cfg.loss_type == "tis":
-        weight = torch.clamp(k, max=cfg.tis_cap)
+        is_w = torch.clamp(k, max=cfg.tis_cap)
     elif cfg.loss_type == "icepop":
         keep = t.mask & (k >= cfg.icepop_low) & (k <= cfg.icepop_high)
-        weight = torch.where(keep, k, t.zero)
-    else:  # decoupled
-        weight = k if cfg.decoupled_cap is None else torch.clamp(k, max=cfg.decoupled_cap)
+        is_w = torch.where(keep, k, t.zero)
+        if cfg.icepop_renorm:
+            is_w = is_w * _renorm(keep, t.mask, cfg.agg).to(is_w.dtype)
+    elif cfg.decoupled_cap is None:
+        is_w = k
+    else:  # decoupled, AReaL's rule: a token beyond the cap is dropped, not truncated
+        keep = t.mask & (k <= cfg.decoupled_cap)
+        is_w = torch.where(keep, k, t.zero)
     ratio = _exp_ratio(t.lp - t.old)
-    return _PG(
-        weight * _clip_surrogate(ratio, t.adv, cfg.eps_low, cfg.eps_high), weight, keep, ratio
-    )
+    pg, flows, dual = _clip_surrogate(ratio, t.adv, cfg)
+    weight = torch.where(flows, is_w * ratio.detach(), t.zero)
+    return _PG(is_w * pg, weight, keep, ratio, dual)
 
 
 def _gspo(t: _Tokens, cfg: LossConfig) -> _PG:
     n_valid = t.mask.sum(dim=-1, keepdim=True).clamp(min=1)
     seq_log_r = (t.log_r.detach().sum(dim=-1, keepdim=True) / n_valid).expand(t.lp.shape)
     ratio = _exp_ratio(seq_log_r + t.lp - t.lp.detach())
-    pg = _clip_surrogate(ratio, t.adv, cfg.eps_low, cfg.eps_high)
-    return _PG(pg, ratio.detach(), t.mask, ratio)
+    pg, flows, _ = _clip_surrogate(ratio, t.adv, cfg, dual=False)
+    return _PG(pg, torch.where(flows, ratio.detach(), t.zero), t.mask, ratio)
 
 
 def _asymre(t: _Tokens, cfg: LossConfig) -> _PG:
@@ -298,6 +264,11 @@ def _check_inputs(logp: Tensor, advantages: Tensor, cfg: LossConfig, **named) ->
         raise ValueError(f"unknown loss_type {cfg.loss_type!r}; expected one of {LOSS_TYPES}")
     if cfg.agg not in AGGS:
         raise ValueError(f"unknown agg {cfg.agg!r}; expected one of {AGGS}")
+    if cfg.agg == "seq-mean-token-sum-norm" and cfg.agg_norm_len is None:
+        raise ValueError(
+            "agg 'seq-mean-token-sum-norm' requires agg_norm_len (the constant length "
+            "normaliser, e.g. the generation's max_tokens)"
+        )
     if logp.dim() != 2:
         raise ValueError(f"logp must be (B, T), got shape {tuple(logp.shape)}")
     shape = logp.shape
@@ -343,13 +314,16 @@ def _diagnostics(
     mask, zero = t.mask, t.zero
     with torch.no_grad():
         n_valid = mask.sum().clamp(min=1)
+        clip_low = clip_high = clip_dual = dev = zero.clone()
         if out.clip_ratio is not None:
             r = out.clip_ratio.detach()
             low = mask & (r < 1.0 - cfg.eps_low) & (t.adv < 0) & out.keep
             high = mask & (r > 1.0 + cfg.eps_high) & (t.adv > 0) & out.keep
             clip_low, clip_high = low.sum() / n_valid, high.sum() / n_valid
-        else:
-            clip_low = clip_high = zero.clone()
+            if mask.any():
+                dev = (r - 1.0).abs()[mask].max()
+        if out.dual is not None:
+            clip_dual = (mask & out.dual & out.keep).sum() / n_valid
         w = torch.where(mask, out.weight, zero)
         sum_w, sum_w2 = w.sum(), (w * w).sum()
         ess = torch.where(sum_w2 > 0, sum_w**2 / (n_valid * sum_w2), zero)
@@ -361,10 +335,12 @@ def _diagnostics(
             pg_loss=pg_loss,
             clip_frac_low=clip_low,
             clip_frac_high=clip_high,
+            clip_frac_dual=clip_dual,
             is_weight_mean=sum_w / n_valid,
             is_weight_max=w.max() if w.numel() else zero.clone(),
             ess_frac=ess,
             masked_frac=(mask & ~out.keep).sum() / n_valid,
+            ratio_max_dev=dev,
             approx_kl=approx_kl,
             **extra,
         )
@@ -452,9 +428,9 @@ def policy_loss(
         seq_w = seq_w * cfg.staleness_decay ** staleness.detach().to(dtype)
     per_token = per_token * seq_w[:, None]
 
-    loss = _aggregate(per_token, mask, cfg.agg, num_tokens_global, num_seqs_global)
+    loss = _aggregate(per_token, mask, cfg, num_tokens_global, num_seqs_global)
     pg_loss = _aggregate(
-        out.pg.detach() * seq_w[:, None], mask, cfg.agg, num_tokens_global, num_seqs_global
+        out.pg.detach() * seq_w[:, None], mask, cfg, num_tokens_global, num_seqs_global
     )
     return _diagnostics(
         t,

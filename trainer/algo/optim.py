@@ -32,7 +32,8 @@ class OptimConfig:
         default="constant", metadata={"help": "after warmup: constant, or cosine to min_lr_ratio"}
     )
     total_steps: int | None = field(
-        default=None, metadata={"help": "optimizer steps of the run (required for cosine)"}
+        default=None,
+        metadata={"help": "learner steps (drawn batches) of the run (required for cosine)"},
     )
     min_lr_ratio: float = field(default=0.0, metadata={"help": "cosine floor as a fraction of lr"})
     micro_batch_tokens: int | None = field(
@@ -44,7 +45,17 @@ class OptimConfig:
     grad_checkpointing: bool = field(
         default=False, metadata={"help": "recompute activations in backward (HF models)"}
     )
-    seed: int = field(default=0, metadata={"help": "torch seed set at construction (dropout)"})
+    seed: int = field(
+        default=0,
+        metadata={"help": "torch seed set at construction (dropout); seeds the mini-batch order"},
+    )
+    ppo_epochs: int = field(
+        default=1,
+        metadata={"help": "passes over each drawn batch (each mini-batch one optimizer step)"},
+    )
+    mini_batches: int = field(
+        default=1, metadata={"help": "mini-batches (optimizer steps) per pass over a drawn batch"}
+    )
 
     def __post_init__(self) -> None:
         for name in ("lr", "weight_decay", "eps", "min_lr_ratio"):
@@ -86,11 +97,16 @@ class OptimConfig:
         mbt = self.micro_batch_tokens
         if mbt is not None and (not _is_int(mbt) or mbt < 1):
             raise ValueError(f"OptimConfig.micro_batch_tokens must be a positive int, got {mbt!r}")
+        for name in ("ppo_epochs", "mini_batches"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                raise ValueError(f"OptimConfig.{name} must be an int >= 1, got {value!r}")
         if not _is_int(self.seed):
             raise ValueError(f"OptimConfig.seed must be an int, got {self.seed!r}")
 
     def lr_factor(self, step: int) -> float:
-        """Multiplier of ``lr`` at optimizer step ``step`` (0-based)."""
+        """Multiplier of ``lr`` at learner step ``step`` (0-based; all the optimizer steps of
+        one drawn batch share it)."""
         if step < self.warmup_steps:
             return (step + 1) / self.warmup_steps
         if self.lr_schedule == "constant":

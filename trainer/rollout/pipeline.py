@@ -164,13 +164,15 @@ def generate_rollouts(
     id_namespace: str | None = None,
     id_time_ms: int = 0,
     on_append: Any | None = None,
+    advantage_ddof: int = 0,
 ) -> GenerateSummary:
     """Generate ``prompts x group_size`` scored rollouts into ``store``; see the module docstring.
 
     ``id_namespace``: give rows deterministic ids (and group ids) derived from it, and
     skip batches whose rows are already in the store, so that a resumed run
     regenerates exactly what is missing and nothing twice. ``on_append(b)`` is called
-    after batch ``b`` is committed.
+    after batch ``b`` is committed. ``advantage_ddof``: the group std's ddof (0: population,
+    the default; 1: sample std, verl / TRL), see :func:`trainer.algo.advantage.group_advantages`.
 
     ``model`` is a checkpoint folder (the ``backend`` generator is built and, for vLLM, closed
     again here) or an already-built generator, which is used as is (its ``policy_version`` must
@@ -243,7 +245,9 @@ def generate_rollouts(
                         f"generator returned {len(rows)} rows for {len(batch)} prompts x "
                         f"group {group_size}"
                     )
-                _finish_rows(rows, batch, task_obj, embedder, store.embedding_dim, run_id)
+                _finish_rows(
+                    rows, batch, task_obj, embedder, store.embedding_dim, run_id, advantage_ddof
+                )
                 if ids is not None:
                     for k, row in enumerate(rows):
                         row["rollout_id"] = ids.rollout(k)
@@ -361,10 +365,11 @@ def _finish_rows(
     embedder: Any,
     dim: int,
     run_id: str,
+    ddof: int = 0,
 ) -> None:
     """Rewards, advantages, embeddings and bookkeeping columns for one batch, in place."""
     score_rows(task, prompts, rows)
-    adv = group_advantages([r["reward"] for r in rows], [r["group_id"] for r in rows])
+    adv = group_advantages([r["reward"] for r in rows], [r["group_id"] for r in rows], ddof=ddof)
     emb = np.asarray(embedder.embed([r["completion_ids"] for r in rows]), dtype=np.float32)
     if emb.shape != (len(rows), dim):
         raise ValueError(f"embedder returned shape {emb.shape}, expected {(len(rows), dim)}")

@@ -78,6 +78,9 @@ class GenerationConfig:
     top_p: float = _h("nucleus threshold", 1.0)
     top_k: int = _h("top-k cut-off, 0 for none", 0)
     max_tokens: int = _h("completion token budget", 16)
+    advantage_ddof: int = _h(
+        "group advantage std: 0 population (default), 1 sample std (verl / TRL convention)", 0
+    )
     prompts_per_round: int = _h("prompts generated per round", 32)
     batch_prompts: int = _h("prompts per generation call (one atomic append each)", 64)
     # vLLM engine settings (the transformers backend uses dtype only).
@@ -108,6 +111,8 @@ class GenerationConfig:
                 f"backend must be one of {typing.get_args(Backend)}, got {self.backend!r}"
             )
         self.sampling()  # the sampling fields, validated as every generator validates them
+        if self.advantage_ddof not in (0, 1) or isinstance(self.advantage_ddof, bool):
+            raise ValueError(f"advantage_ddof must be 0 or 1, got {self.advantage_ddof!r}")
         for name in ("prompts_per_round", "batch_prompts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

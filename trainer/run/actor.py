@@ -219,6 +219,7 @@ def _generate_round(
         backend=backend,
         **g.sampling(seed=seed).kwargs(),
         batch_prompts=g.batch_prompts,
+        advantage_ddof=g.advantage_ddof,
         run_id=run_id,
         policy_id=run_id,
         progress=False,

@@ -154,9 +154,12 @@ def setup_learner(
     optim = cfg.optim
     if mc.gradient_checkpointing and not optim.grad_checkpointing:
         optim = replace(optim, grad_checkpointing=True)
+    loss = cfg.loss
+    if loss.agg == "seq-mean-token-sum-norm" and loss.agg_norm_len is None:
+        loss = replace(loss, agg_norm_len=g.max_tokens)  # Dr. GRPO: the generation budget
     learner = Learner(
         model,
-        cfg.loss,
+        loss,
         optim,
         temperature=g.temperature,
         top_k=g.top_k or None,

@@ -10,7 +10,9 @@ version sits just before this run's version 0 (``v - newest - 1``), and the
 lineage table records ``(this run, 0, source run, newest)``: a source rollout's
 staleness at learner version ``u`` is then ``u + newest + 1 - v``. Rollouts are
 reused only across tokenizers with the same fingerprint; anything else is an
-error, since token ids would mean different text.
+error, since token ids would mean different text. Likewise a run with rows whose
+behaviour log-probs the learner cannot reproduce (``logprobs_mode`` not processed,
+temperature <= 0, ...) is refused before anything is copied.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from rolloutstore import RolloutStore
+from trainer.algo.behavior import check_logprobs_modes
 from trainer.errors import SourceError
 
 
@@ -41,6 +44,17 @@ def _rebased(src: RolloutStore, run_id: str, shift: int) -> Iterator[pa.Table]:
         t = pa.Table.from_batches([batch])
         i = t.schema.get_field_index("policy_version")
         yield t.set_column(i, "policy_version", pc.subtract(t["policy_version"], shift))
+
+
+def _check_sampling(src: RolloutStore, source: str | Path, run_id: str) -> None:
+    """Refuse a run whose behaviour log-probs the learner could not reproduce (one row per
+    distinct setting, named in the error)."""
+    settings = src.sql(
+        "SELECT min(rollout_id) AS rollout_id, logprobs_mode, temperature, top_k, top_p "
+        "FROM rollouts WHERE run_id = ? GROUP BY 2, 3, 4, 5",
+        [run_id],
+    ).to_pylist()
+    check_logprobs_modes(settings, f"replay source {source} run {run_id!r}")
 
 
 def import_sources(
@@ -73,6 +87,7 @@ def import_sources(
                 raise SourceError(f"replay source {source} holds this run's own id {run_id!r}")
             if r["run_id"] in done:  # imported before (e.g. by the run this one resumes)
                 continue
+            _check_sampling(src, source, r["run_id"])
             shift = r["newest"] + 1
             store.append(_rebased(src, r["run_id"], shift))
             store.record_lineage(run_id, 0, r["run_id"], r["newest"])

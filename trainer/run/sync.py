@@ -354,6 +354,7 @@ def _generation_round(
         backend="hf",
         **g.sampling(seed=r.seed * 1_000_003 + rnd).kwargs(),
         batch_prompts=g.batch_prompts,
+        advantage_ddof=g.advantage_ddof,
         run_id=run_id,
         policy_id=run_id,
         progress=False,

@@ -1,0 +1,128 @@
+"""The ``[loss]`` section (:class:`LossConfig`) and what a loss returns (:class:`LossOutput`).
+
+The losses themselves, and what every option does to them, are in :mod:`trainer.algo.loss`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Literal, get_args
+
+from torch import Tensor
+
+__all__ = ["AGGS", "LOSS_TYPES", "Agg", "LossConfig", "LossOutput", "LossType"]
+
+LossType = Literal["ppo", "tis", "icepop", "decoupled", "gspo", "asymre", "m2po"]
+Agg = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+
+LOSS_TYPES: tuple[str, ...] = get_args(LossType)
+AGGS: tuple[str, ...] = get_args(Agg)
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """Which policy loss, how to aggregate it, and its hyper-parameters."""
+
+    loss_type: LossType = "ppo"
+    agg: Agg = "token-mean"
+    # seq-mean-token-sum-norm: the constant length normaliser (Dr. GRPO). None: the learner
+    # fills in [generation].max_tokens; policy_loss itself requires it.
+    agg_norm_len: int | None = None
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    # Dual clip (Ye et al. 2020): for A < 0 the per-token objective is at least c * A, so a
+    # token whose ratio exceeds c gets no gradient. None: off.
+    clip_ratio_c: float | None = 3.0
+    tis_cap: float = 2.0
+    icepop_low: float = 0.5
+    icepop_high: float = 2.0
+    # icepop: divide by the kept tokens only (masked tokens leave the denominator).
+    icepop_renorm: bool = False
+    # decoupled: tokens whose pi_prox / mu exceeds the cap are masked (AReaL); None: uncapped.
+    decoupled_cap: float | None = 5.0
+    m2po_tau: float = 0.04
+    asymre_delta: float = -0.1
+    kl_coef: float = 0.0
+    entropy_coef: float = 0.0
+    # Per-sequence weight staleness_decay ** staleness (policy versions behind); None = off.
+    staleness_decay: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"unknown loss_type {self.loss_type!r}; expected one of {LOSS_TYPES}")
+        if self.agg not in AGGS:
+            raise ValueError(f"unknown agg {self.agg!r}; expected one of {AGGS}")
+        for f in fields(self):
+            value = getattr(self, f.name)
+            is_number = isinstance(value, float | int) and not isinstance(value, bool)
+            if is_number and not math.isfinite(value):
+                raise ValueError(f"{f.name} must be finite, got {value!r}")
+        n = self.agg_norm_len
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise ValueError(f"agg_norm_len must be an int >= 1 or None, got {n!r}")
+        if not 0.0 <= self.eps_low < 1.0:
+            raise ValueError(f"eps_low must be in [0, 1), got {self.eps_low!r}")
+        if not self.eps_high >= 0.0:
+            raise ValueError(f"eps_high must be >= 0, got {self.eps_high!r}")
+        if self.clip_ratio_c is not None and not self.clip_ratio_c > 1.0:
+            raise ValueError(f"clip_ratio_c must be > 1 or None, got {self.clip_ratio_c!r}")
+        if not self.tis_cap > 0.0:
+            raise ValueError(f"tis_cap must be > 0, got {self.tis_cap!r}")
+        if not 0.0 <= self.icepop_low <= 1.0:
+            raise ValueError(f"icepop_low must be in [0, 1], got {self.icepop_low!r}")
+        if not self.icepop_high >= 1.0:
+            raise ValueError(f"icepop_high must be >= 1, got {self.icepop_high!r}")
+        if self.decoupled_cap is not None and not self.decoupled_cap > 0.0:
+            raise ValueError(f"decoupled_cap must be > 0 or None, got {self.decoupled_cap!r}")
+        if not self.m2po_tau > 0.0:
+            raise ValueError(f"m2po_tau must be > 0, got {self.m2po_tau!r}")
+        if not self.kl_coef >= 0.0:
+            raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef!r}")
+        if not self.entropy_coef >= 0.0:
+            raise ValueError(f"entropy_coef must be >= 0, got {self.entropy_coef!r}")
+        if self.staleness_decay is not None and not 0.0 < self.staleness_decay <= 1.0:
+            raise ValueError(
+                f"staleness_decay must be in (0, 1] or None, got {self.staleness_decay!r}"
+            )
+
+
+@dataclass(frozen=True)
+class LossOutput:
+    """The scalar loss (with grad) and detached 0-dim diagnostics.
+
+    Fractions and means are over valid tokens. ``clip_frac_low`` / ``clip_frac_high``: tokens
+    whose trust-region clip is binding (ratio < 1 - eps_low with A < 0 / ratio > 1 + eps_high
+    with A > 0), i.e. that get no policy gradient; ``clip_frac_dual``: tokens where the dual
+    clip binds (A < 0, ratio > clip_ratio_c). ``is_weight_*`` and ``ess_frac`` describe the
+    weight the gradient actually gets per token — ``w`` with ``d pg / d log pi = -w * A``:
+    the (IS weight times) ratio where the gradient flows, 0 where a clip binds or a mask drops
+    the token (the raw pi/mu for asymre, which applies none); ``ess_frac = (sum w)^2 / (n *
+    sum w^2)``, so clipped and masked tokens count as lost samples. ``masked_frac``: tokens
+    dropped by icepop / decoupled's cap / m2po. ``ratio_max_dev``: max |ratio - 1| of the
+    ratio the clip acts on (pi_theta / pi_old for tis / icepop / decoupled: exactly 0 on the
+    first mini-batch of a step). ``approx_kl``: k3 estimate of KL(mu || pi_theta).
+    """
+
+    loss: Tensor
+    pg_loss: Tensor
+    clip_frac_low: Tensor
+    clip_frac_high: Tensor
+    clip_frac_dual: Tensor
+    is_weight_mean: Tensor
+    is_weight_max: Tensor
+    ess_frac: Tensor
+    masked_frac: Tensor
+    ratio_max_dev: Tensor
+    approx_kl: Tensor
+    entropy: Tensor | None = None
+    mean_staleness: Tensor | None = None
+    kl_ref: Tensor | None = None
+
+    def metrics(self) -> dict[str, float]:
+        """Plain floats for logging (synchronises with the device); ``None`` fields skipped."""
+        return {
+            f.name: float(getattr(self, f.name).detach())
+            for f in fields(self)
+            if getattr(self, f.name) is not None
+        }
