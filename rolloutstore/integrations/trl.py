@@ -87,7 +87,9 @@ class ReplayGRPOTrainer(GRPOTrainer):
     ):
         super().__init__(*args, **kwargs)
         self.store = store if isinstance(store, RolloutStore) else RolloutStore.open(store)
-        self.replay_config = replay or ReplayConfig(window=4096, max_staleness=4, fresh_fraction=0.5)
+        self.replay_config = replay or ReplayConfig(
+            window=4096, max_staleness=4, fresh_fraction=0.5
+        )
         self.run_id = run_id
         self.selector = Selector(self.store, self.replay_config, run_id=run_id)
         self.last_selection: Selection | None = None
@@ -235,10 +237,18 @@ class ReplayGRPOTrainer(GRPOTrainer):
         table = self.store.checkout(sel.store_version).take_rows(
             sel.row_addresses, columns=["prompt_ids", "completion_ids", "behavior_logprobs"]
         )
-        device, pad_id, multiple = self.accelerator.device, self._tokenizer.pad_token_id, self.pad_to_multiple_of
+        device, pad_id, multiple = (
+            self.accelerator.device,
+            self._tokenizer.pad_token_id,
+            self.pad_to_multiple_of,
+        )
         prompts = [torch.tensor(p, dtype=torch.long) for p in table["prompt_ids"].to_pylist()]
-        completions = [torch.tensor(c, dtype=torch.long) for c in table["completion_ids"].to_pylist()]
-        logps = [torch.tensor(lp, dtype=torch.float32) for lp in table["behavior_logprobs"].to_pylist()]
+        completions = [
+            torch.tensor(c, dtype=torch.long) for c in table["completion_ids"].to_pylist()
+        ]
+        logps = [
+            torch.tensor(lp, dtype=torch.float32) for lp in table["behavior_logprobs"].to_pylist()
+        ]
         ones = [torch.ones_like(t) for t in prompts], [torch.ones_like(t) for t in completions]
         completion_mask = pad(ones[1], 0, "right", multiple)
         if self.mask_truncated_completions:  # as TRL does for its fresh rows

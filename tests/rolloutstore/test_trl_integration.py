@@ -65,9 +65,8 @@ def _make(tmp, model, max_steps, **replay):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     require_trl()
-    from trainer.models.tiny import make_tiny_model
-
     from rolloutstore import RolloutStore
+    from trainer.models.tiny import make_tiny_model
 
     tmp = tmp_path_factory.mktemp("trl")
     model = make_tiny_model(tmp / "tiny", task="arith")
@@ -95,12 +94,16 @@ def test_every_generated_batch_lands_in_the_store_as_grpo_groups(runs):
     pv = np.asarray(t["policy_version"].to_pylist())
     assert sorted(np.unique(pv, return_counts=True)[1].tolist()) == [ROWS] * STEPS
     assert sorted(set(pv.tolist())) == list(range(STEPS))
-    groups = runs["store"].sql(
-        "SELECT group_id, count(*) AS n, count(DISTINCT prompt_id) AS prompts, "
-        "list(sample_index ORDER BY sample_index) AS idx, sum(advantage) AS adv, "
-        "bool_and(len(behavior_logprobs) = len(completion_ids)) AS aligned, "
-        "min(logprobs_mode) AS mode FROM rollouts GROUP BY 1"
-    ).to_pylist()
+    groups = (
+        runs["store"]
+        .sql(
+            "SELECT group_id, count(*) AS n, count(DISTINCT prompt_id) AS prompts, "
+            "list(sample_index ORDER BY sample_index) AS idx, sum(advantage) AS adv, "
+            "bool_and(len(behavior_logprobs) = len(completion_ids)) AS aligned, "
+            "min(logprobs_mode) AS mode FROM rollouts GROUP BY 1"
+        )
+        .to_pylist()
+    )
     assert len(groups) == (ROWS // GROUP) * RESUME_STEPS + (ROWS // GROUP) * (STEPS - 2)
     for g in groups:
         assert (g["n"], g["prompts"], g["idx"]) == (GROUP, 1, list(range(GROUP)))
@@ -114,11 +117,15 @@ def test_behaviour_logprobs_are_the_generating_models(runs):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(runs["model"])).eval()
-    rows = runs["store"].sql(
-        "SELECT prompt_ids, completion_ids, behavior_logprobs, temperature FROM rollouts "
-        "WHERE policy_version = 0 AND run_id = 'trl' ORDER BY created_at LIMIT ?",
-        [ROWS],
-    ).to_pylist()
+    rows = (
+        runs["store"]
+        .sql(
+            "SELECT prompt_ids, completion_ids, behavior_logprobs, temperature FROM rollouts "
+            "WHERE policy_version = 0 AND run_id = 'trl' ORDER BY created_at LIMIT ?",
+            [ROWS],
+        )
+        .to_pylist()
+    )
     assert len(rows) == ROWS
     for r in rows:
         ids = torch.tensor([r["prompt_ids"] + r["completion_ids"]])
