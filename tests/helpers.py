@@ -44,6 +44,21 @@ def require_vllm():
     return vllm
 
 
+def require_trl():
+    """Import trl, or skip locally; in CI (CI=true) a missing TRL fails the test."""
+    import os
+
+    import pytest
+
+    try:
+        import trl
+    except ImportError as exc:
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"TRL is required in CI (make test installs the dev extra, trl): {exc}")
+        pytest.skip(f"trl not installed (pip install 'rolloutstore[trl]'): {exc}")
+    return trl
+
+
 ROOT = __import__("pathlib").Path(__file__).parents[1]
 
 
