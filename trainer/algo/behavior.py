@@ -23,8 +23,10 @@ from trainer.errors import BehaviorPolicyError
 __all__ = ["REPRODUCIBLE_LOGPROBS_MODES", "batch_rows", "check_logprobs_modes", "sampling_kwargs"]
 
 # How a row's behaviour log-probs may have been recorded for the learner to reproduce them: after
-# the sampler's temperature / top-k / top-p (None: not recorded, taken to be that).
-REPRODUCIBLE_LOGPROBS_MODES = (None, "processed_logprobs")
+# the sampler's temperature / top-k / top-p (None: not recorded, taken to be that), or
+# "recomputed": teacher-forced at import under the row's stored settings (ingest --score-with),
+# the same processed distribution.
+REPRODUCIBLE_LOGPROBS_MODES = (None, "processed_logprobs", "recomputed")
 
 
 def _stored(value: float | int) -> float | int:
