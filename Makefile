@@ -30,10 +30,12 @@ vllm: $(VLLM_STAMP)
 # The main job: replay RL on arithmetic with a tiny model built offline (about 2.5 minutes
 # on 2 cores; vLLM generates when installed, e.g. after `make test`, else transformers).
 # Each `make demo` starts afresh in runs/demo.
+# vLLM's start-up and shutdown notes (no Triton on CPU, no tcmalloc, engine process reaped)
+# are not problems of the run: the demo shows only errors from it, the progress bar and evals.
 demo: $(STAMP)
 	rm -rf runs/demo
-	VLLM_LOGGING_LEVEL=WARNING $(VENV)/bin/rolloutstore-train train examples/arith.toml \
-		--set 'run.dir="runs/demo"'
+	VLLM_LOGGING_LEVEL=ERROR PYTHONWARNINGS=ignore::FutureWarning \
+		$(VENV)/bin/rolloutstore-train train examples/arith.toml --set 'run.dir="runs/demo"'
 
 test: $(VLLM_STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
