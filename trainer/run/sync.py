@@ -44,7 +44,7 @@ from rolloutstore.errors import EmptyBufferError
 from trainer.config import TrainConfig
 from trainer.control import ReplayController
 from trainer.errors import BufferExhaustedError, RunDirError
-from trainer.models.load import check_model_dir
+from trainer.models.load import check_model
 from trainer.rollout.pipeline import generate_rollouts, resolve_backend
 from trainer.rollout.policy import LivePolicy
 from trainer.rollout.weights import publish_weights
@@ -70,8 +70,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> T
 
     Under torchrun every rank calls this; only rank 0's result carries the evaluations.
     """
-    if cfg.model.path != "tiny":
-        check_model_dir(cfg.model.path)  # before any run state is written
+    check_model(cfg.model)  # folder, device, dtype: refused before any run state is written
     if cfg.run.fsdp and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         raise RunDirError(
             "run.fsdp = true shards the learner across torchrun ranks (sync mode); start with "
