@@ -11,13 +11,16 @@ from typing import Literal, get_args
 
 from torch import Tensor
 
-__all__ = ["AGGS", "LOSS_TYPES", "Agg", "LossConfig", "LossOutput", "LossType"]
+__all__ = ["AGGS", "LOSS_TYPES", "MAX_METRICS", "Agg", "LossConfig", "LossOutput", "LossType"]
 
 LossType = Literal["ppo", "tis", "icepop", "decoupled", "gspo", "asymre", "m2po"]
 Agg = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
 LOSS_TYPES: tuple[str, ...] = get_args(LossType)
 AGGS: tuple[str, ...] = get_args(Agg)
+# LossOutput diagnostics that combine as maxima over micro-batches, updates and ranks, not as
+# token-weighted means.
+MAX_METRICS = ("is_weight_max", "ratio_max_dev")
 
 
 @dataclass(frozen=True)
