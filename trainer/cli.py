@@ -122,13 +122,22 @@ def cmd_plot(a) -> None:
         print(path)
 
 
-# Long but flat: argparse declarations of each subcommand.
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="rolloutstore-train", description=__doc__.splitlines()[0])
     ap.add_argument(
         "--debug", action="store_true", help="show the full traceback of an error (for reports)"
     )
     sub = ap.add_subparsers(dest="cmd", required=True)
+    _add_train(sub)
+    _add_resume(sub)
+    _add_actor(sub)
+    p = sub.add_parser("plot", help="PNGs of reward, entropy, staleness vs step and tokens")
+    p.add_argument("run_dir")
+    p.set_defaults(func=cmd_plot)
+    return ap
+
+
+def _add_train(sub) -> None:
     p = sub.add_parser("train", help="start a run from a TOML config")
     p.add_argument("config")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
@@ -137,6 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("-q", "--quiet", action="store_true")
     p.set_defaults(func=cmd_train)
+
+
+def _add_resume(sub) -> None:
     p = sub.add_parser("resume", help="continue a run from its newest checkpoint")
     p.add_argument("run_dir")
     p.add_argument(
@@ -148,6 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("-q", "--quiet", action="store_true")
     p.set_defaults(func=cmd_resume)
+
+
+def _add_actor(sub) -> None:
     p = sub.add_parser(
         "actor",
         help="async mode: one actor process (the learner starts them; run more on other machines)",
@@ -200,10 +215,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="rounds per policy version before waiting for newer weights",
     )
     p.set_defaults(func=cmd_actor)
-    p = sub.add_parser("plot", help="PNGs of reward, entropy, staleness vs step and tokens")
-    p.add_argument("run_dir")
-    p.set_defaults(func=cmd_plot)
-    return ap
 
 
 # Errors a user can fix (bad config, missing folder, a run that does not fit): one line, exit 2.

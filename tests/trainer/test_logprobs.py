@@ -329,7 +329,7 @@ def _tied_logits(seed: int, rows: int = 64, vocab: int = 50) -> torch.Tensor:
 def test_top_p_keeps_exactly_what_transformers_and_vllm_keep(top_p: float, top_k: int) -> None:
     from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
-    from trainer.algo.logprobs import _keep_mask
+    from trainer.algo.chunked_head import keep_mask as _keep_mask
     from trainer.rollout.hf import process_logits
 
     logits = _tied_logits(seed=int(top_p * 100) + top_k)
@@ -352,7 +352,7 @@ def test_top_p_matches_vllm_sampler() -> None:
     pytest.importorskip("vllm")
     from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
 
-    from trainer.algo.logprobs import _keep_mask
+    from trainer.algo.chunked_head import keep_mask as _keep_mask
 
     logits = _tied_logits(seed=5)
     # top-p alone. With top-k as well, vLLM keeps its one sort of the raw logits while

@@ -13,15 +13,11 @@ or packed batch dict, or the list of micro-batch dicts the loader yields when it
    *whole* step, and ``backward`` — so the accumulated gradient equals one big batch's;
 3. clip the global grad norm, AdamW step, LR schedule step, ``policy_version += 1``.
 
-PPO epochs (``OptimConfig.ppo_epochs`` x ``mini_batches`` > 1, single learner only): the drawn
-batch is first scored once with the current weights (pi_old: eval mode, no grad), then split
-into ``mini_batches`` mini-batches (a permutation of its sequences drawn from (seed, learner
-step, epoch), so a resume repeats it) for ``ppo_epochs`` passes, each mini-batch one optimizer
-step (steps 2 and 3 without the schedule). ``policy_version``, ``steps_done`` and the LR schedule
-advance once per *drawn batch*: a policy version is a learner step, as everywhere else (rows'
-``policy_version``, staleness, ``max_staleness``, published weights), and one version then
-spans ``ppo_epochs * mini_batches`` updates; tis / icepop / decoupled correct that in-step drift
-through pi_old.
+PPO epochs (``OptimConfig.ppo_epochs`` x ``mini_batches`` > 1, single learner only;
+:mod:`trainer.algo.epochs`): the drawn batch is scored once with the current weights (pi_old),
+then each of its mini-batches is one optimizer step (steps 2 and 3 without the schedule), for
+``ppo_epochs`` passes; ``policy_version``, ``steps_done`` and the LR schedule advance once per
+*drawn batch*.
 
 Distributed (``trainer.run.distributed``): with ``learner.ddp`` set to a DDP-wrapped
 :class:`trainer.run.distributed.LogProbModule` of the model, each rank steps on its share of the
@@ -31,7 +27,8 @@ last micro-batch, and the metrics are reduced over ranks, so all ranks take the 
 With ``learner.sharded`` (``[run] fsdp``, :func:`trainer.run.distributed.shard_learner`) the wrapper
 is an FSDP2 module instead: the same step, but each rank holds and updates a shard of the
 weights, gradients and AdamW moments; :meth:`Learner.state_dict` and
-:meth:`Learner.full_weights` then gather (collectives: call them on every rank).
+:meth:`Learner.full_weights` then gather (collectives: call them on every rank;
+:mod:`trainer.algo.learner_state`).
 
 Packed micro-batches are scored as one row (the model isolates the packed sequences through the
 restarting ``position_ids``) and the per-token results are then scattered into a per-sequence
@@ -65,49 +62,16 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from trainer.algo.batching import (
-    is_packed,
-    num_sequences,
-    select_sequences,
-    sequence_lengths,
-    split_packed,
-    split_padded,
-    unpack_index,
-)
+from trainer.algo import learner_state
+from trainer.algo.batching import is_packed, num_sequences, split_packed, split_padded, unpack_index
 from trainer.algo.behavior import batch_rows, check_logprobs_modes, sampling_kwargs
+from trainer.algo.epochs import mean_updates, mini_batch_plan, ppo_updates
 from trainer.algo.logprobs import packed_target_mask, sequence_logprobs
 from trainer.algo.loss import LossConfig, policy_loss
-from trainer.algo.optim import OptimConfig
+from trainer.algo.loss_config import MAX_METRICS
+from trainer.algo.optim import OptimConfig, build_adamw
 
 __all__ = ["Learner"]
-
-
-# Diagnostics that are maxima over the micro-batches (and ranks), not token-weighted means.
-_MAX_METRICS = ("is_weight_max", "ratio_max_dev")
-
-
-# -- batch plumbing ------------------------------------------------------------------------
-def _pieces(mbs: list[dict], offsets: np.ndarray, part: np.ndarray, *, with_index: bool = False):
-    """The sequences ``part`` (global, sorted) of the micro-batches, one piece per micro-batch."""
-    out = []
-    for i, mb in enumerate(mbs):
-        lo, hi = int(offsets[i]), int(offsets[i + 1])
-        local = part[(part >= lo) & (part < hi)] - lo
-        if len(local):
-            sub = select_sequences(mb, local)
-            out.append((i, local, sub) if with_index else sub)
-    return out
-
-
-def _mean_updates(updates: list[dict[str, float]]) -> dict[str, float]:
-    """One step's metrics from several updates: means, maxima for _MAX_METRICS, skipped counts."""
-    out = {k: sum(u[k] for u in updates) / len(updates) for k in updates[0]}
-    out.update({k: max(u[k] for u in updates) for k in _MAX_METRICS})
-    out["skipped"] = float(sum(u["skipped"] for u in updates))
-    return out
-
-
-# -- the learner ---------------------------------------------------------------------------
 
 
 class Learner:
@@ -196,32 +160,17 @@ class Learner:
         FSDP replaces the parameters with sharded ones: :func:`trainer.run.distributed.shard_learner`
         calls this again after sharding (before any step or checkpoint restore).
         """
-        optim_cfg = self.optim_cfg
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        # Weight decay on matrices only: decaying norms' gains and biases towards 0 only hurts.
-        decay = [p for p in params if p.dim() >= 2]
-        no_decay = [p for p in params if p.dim() < 2]
-        self.params = params
-        self.optimizer = torch.optim.AdamW(
-            [
-                {"params": decay, "weight_decay": optim_cfg.weight_decay},
-                {"params": no_decay, "weight_decay": 0.0},
-            ],
-            lr=optim_cfg.lr,
-            betas=optim_cfg.betas,
-            eps=optim_cfg.eps,
-        )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, optim_cfg.lr_factor)
+        self.params, self.optimizer, self.scheduler = build_adamw(self.model, self.optim_cfg)
 
     # -- public API ------------------------------------------------------------------------
     def step(self, batch: dict[str, Any] | list[dict[str, Any]]) -> dict[str, float]:
         """One learner step on one replay item; returns plain-float metrics.
 
         By default (``OptimConfig.ppo_epochs = mini_batches = 1``) one optimizer step on the
-        whole item. Otherwise see :meth:`_ppo_updates`: ``ppo_epochs * mini_batches`` optimizer
-        steps on mini-batches of it, and the metrics are means over those updates
-        (``is_weight_max`` / ``ratio_max_dev`` maxima, ``skipped`` a count); the per-update
-        metrics are kept in ``self.update_metrics``.
+        whole item. Otherwise see :func:`trainer.algo.epochs.ppo_updates`: ``ppo_epochs *
+        mini_batches`` optimizer steps on mini-batches of it, and the metrics are means over
+        those updates (``is_weight_max`` / ``ratio_max_dev`` maxima, ``skipped`` a count); the
+        per-update metrics are kept in ``self.update_metrics``.
 
         Metrics: ``loss`` and every :class:`trainer.algo.loss.LossOutput` diagnostic (token-weighted
         means over micro-batches; ``is_weight_max`` and ``ratio_max_dev`` their max; ``ess_frac``
@@ -240,7 +189,7 @@ class Learner:
             grad_norm, lr, skipped = self._update()
             updates = [{**sums, "grad_norm": grad_norm, "skipped": float(skipped)}]
         else:
-            updates, staleness_sum, lr = self._ppo_updates(mbs)
+            updates, staleness_sum, lr = ppo_updates(self, mbs)
         self.update_metrics = updates
         applied = sum(u["skipped"] == 0.0 for u in updates)
         if applied:
@@ -251,7 +200,7 @@ class Learner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # so `seconds` measures the work, not launches
 
-        sums = updates[0] if len(updates) == 1 else _mean_updates(updates)
+        sums = updates[0] if len(updates) == 1 else mean_updates(updates)
         sums.update(
             lr=float(lr),
             tokens=float(tokens),
@@ -270,7 +219,7 @@ class Learner:
         """Forward + backward of every micro-batch into fresh gradients; (metrics, staleness sum)."""
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
-        maxes = dict.fromkeys(_MAX_METRICS, 0.0)
+        maxes = dict.fromkeys(MAX_METRICS, 0.0)
         staleness_sum = 0.0
         for i, mb in enumerate(mbs):
             mb = self._to_device(mb)
@@ -286,7 +235,7 @@ class Learner:
             with sync:
                 out, n_tok = self._forward_backward(mb, tokens, seqs)
             m = out.metrics()
-            for k in _MAX_METRICS:
+            for k in MAX_METRICS:
                 maxes[k] = max(maxes[k], m.pop(k))
             m.pop("mean_staleness", None)
             staleness_sum += float(mb["staleness"].double().sum())
@@ -309,62 +258,10 @@ class Learner:
             self.optimizer.step()
         return grad_norm, lr, skipped
 
-    def _ppo_updates(self, mbs: list[dict[str, Any]]) -> tuple[list[dict], float, float]:
-        """``ppo_epochs`` passes of ``mini_batches`` optimizer steps over one drawn batch.
-
-        pi_old: before the first update every sequence is scored once with the current weights
-        (eval mode, no grad), on exactly the tensors of the first epoch's mini-batches, so the
-        first mini-batch's ratio pi_theta / pi_old is exactly 1; tis / icepop / decoupled use
-        these log-probs as ``prox_logp``. The sequences of a pass are split by a permutation
-        drawn from ``(seed, steps_done, epoch)``, so a resumed learner repeats the order.
-        """
-        if self.ddp is not None:
-            raise ValueError(
-                "[optim] ppo_epochs / mini_batches > 1 are single-learner for now (ranks would "
-                "need equal mini-batches); under torchrun keep them at 1"
-            )
-        oc = self.optim_cfg
-        counts = [num_sequences(mb) for mb in mbs]
-        offsets = np.concatenate([[0], np.cumsum(counts)])
-        plans = [self._mini_batch_plan(int(offsets[-1]), e) for e in range(oc.ppo_epochs)]
-        mbs = self._with_old_logprobs(mbs, offsets, plans[0])
-        updates, staleness_sum, lr = [], 0.0, 0.0
-        for plan in plans:
-            for part in plan:
-                subs = _pieces(mbs, offsets, part)
-                tokens = sum(int(self._target_mask(mb).sum()) for mb in subs)
-                sums, stal = self._accumulate(subs, tokens, len(part))
-                grad_norm, lr, skipped = self._update()
-                updates.append({**sums, "grad_norm": grad_norm, "skipped": float(skipped)})
-                staleness_sum += stal / oc.ppo_epochs  # every sequence once per epoch
-        return updates, staleness_sum, lr
-
     def _mini_batch_plan(self, n_seqs: int, epoch: int) -> list[np.ndarray]:
         """Epoch ``epoch``'s mini-batches of global sequence indices (sorted; none empty)."""
-        rng = np.random.default_rng([self.optim_cfg.seed, self.steps_done, epoch])
-        parts = np.array_split(rng.permutation(n_seqs), self.optim_cfg.mini_batches)
-        return [np.sort(p) for p in parts if len(p)]
-
-    @torch.no_grad()
-    def _with_old_logprobs(self, mbs: list[dict], offsets: np.ndarray, plan: list) -> list[dict]:
-        """The micro-batches with an ``old_logprobs`` ``(n, L-1)`` grid of the current weights."""
-        grids = []
-        for mb in mbs:
-            width = mb["input_ids"].shape[1] - 1
-            if is_packed(mb):
-                width = max(int(sequence_lengths(mb).max()) - 1, 1)
-            grids.append(torch.zeros(num_sequences(mb), width, dtype=torch.float32))
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            for part in plan:
-                for i, local, sub in _pieces(mbs, offsets, part, with_index=True):
-                    with self._autocast():
-                        logp = self._logprobs(self.model, self._to_device(sub), entropy=False)[0]
-                    grids[i][torch.from_numpy(local), : logp.shape[1]] = logp.float().cpu()
-        finally:
-            self.model.train(was_training)
-        return [{**mb, "old_logprobs": g} for mb, g in zip(mbs, grids)]
+        oc = self.optim_cfg
+        return mini_batch_plan(oc.seed, self.steps_done, epoch, n_seqs, oc.mini_batches)
 
     def _clip_grad_norm(self) -> Tensor:
         max_norm = self.optim_cfg.grad_clip if self.optim_cfg.grad_clip else math.inf
@@ -393,7 +290,7 @@ class Learner:
             "skipped",
             "optimizer_steps",
         }
-        top = [*_MAX_METRICS, "seconds"]
+        top = [*MAX_METRICS, "seconds"]
         # The rest are partial sums: loss terms are normalised by the global totals, the
         # diagnostics weighted by n_tok / global tokens, staleness divided by global sequences.
         keys = sorted(k for k in sums if k not in same and k not in top)
@@ -416,17 +313,7 @@ class Learner:
         Sharded, this is a collective: every rank must call it; rank 0 gets the tensors, the
         others ``{}`` unless ``all_ranks``.
         """
-        if not self.sharded:
-            return self.model.state_dict()
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-        )
-
-        opts = StateDictOptions(full_state_dict=True, cpu_offload=not all_ranks)
-        full = get_model_state_dict(self.ddp, options=opts)
-        # The FSDP root is the LogProbModule: its names carry the "model." of its attribute.
-        return {k.removeprefix("model."): v for k, v in full.items()}
+        return learner_state.full_weights(self, all_ranks=all_ranks)
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue bit-for-bit: weights, AdamW, schedule, version, RNG.
@@ -434,60 +321,11 @@ class Learner:
         Sharded: a collective; rank 0 gets the full weights and optimizer state, the other
         ranks empty ones (only rank 0 writes checkpoints).
         """
-        if self.sharded:
-            from torch.distributed.checkpoint.state_dict import (
-                StateDictOptions,
-                get_optimizer_state_dict,
-            )
-
-            model = self.full_weights()
-            opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-            optim = get_optimizer_state_dict(self.ddp, self.optimizer, options=opts)
-        else:
-            model, optim = self.model.state_dict(), self.optimizer.state_dict()
-        state = {
-            "model": model,
-            "optimizer": optim,
-            "sharded": self.sharded,
-            "scheduler": self.scheduler.state_dict(),
-            "policy_version": self.policy_version,
-            "steps_done": self.steps_done,
-            "torch_rng": torch.get_rng_state(),
-        }
-        if self.device.type == "cuda":
-            state["cuda_rng"] = torch.cuda.get_rng_state(self.device)
-        return state
+        return learner_state.learner_state(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (sharded: from the full state, on every rank)."""
-        saved = bool(state.get("sharded", False))
-        if saved != self.sharded:
-            # The optimizer state is keyed by parameter name when sharded, by index otherwise.
-            raise ValueError(
-                f"this checkpoint was written with run.fsdp = {str(saved).lower()} and is being "
-                f"restored with run.fsdp = {str(self.sharded).lower()}: resume with "
-                f"--set run.fsdp={str(saved).lower()}"
-            )
-        if self.sharded:
-            from torch.distributed.checkpoint.state_dict import (
-                StateDictOptions,
-                set_model_state_dict,
-                set_optimizer_state_dict,
-            )
-
-            opts = StateDictOptions(full_state_dict=True)
-            model = {f"model.{k}": v for k, v in state["model"].items()}
-            set_model_state_dict(self.ddp, model, options=opts)
-            set_optimizer_state_dict(self.ddp, self.optimizer, state["optimizer"], options=opts)
-        else:
-            self.model.load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.policy_version = int(state["policy_version"])
-        self.steps_done = int(state["steps_done"])
-        torch.set_rng_state(state["torch_rng"])
-        if "cuda_rng" in state and self.device.type == "cuda":
-            torch.cuda.set_rng_state(state["cuda_rng"], self.device)
+        learner_state.load_learner_state(self, state)
 
     # -- internals -------------------------------------------------------------------------
     def _micro_batches(

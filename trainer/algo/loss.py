@@ -76,7 +76,15 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from trainer.algo.loss_config import AGGS, LOSS_TYPES, Agg, LossConfig, LossOutput, LossType
+from trainer.algo.loss_config import (
+    AGGS,
+    LOSS_TYPES,
+    Agg,
+    LossConfig,
+    LossOutput,
+    LossType,
+    check_loss_inputs,
+)
 
 __all__ = [
     "AGGS", "LOSSES", "LOSS_TYPES", "Agg", "LossConfig", "LossOutput", "LossType", "policy_loss",
@@ -258,55 +266,6 @@ LOSSES: dict[str, Callable[[_Tokens, LossConfig], _PG]] = {
 assert set(LOSSES) == set(LOSS_TYPES)
 
 
-def _check_inputs(logp: Tensor, advantages: Tensor, cfg: LossConfig, **named) -> Tensor:
-    """Raise ValueError on a shape or option mismatch; return advantages as (B, T') 2-D."""
-    if cfg.loss_type not in LOSS_TYPES:
-        raise ValueError(f"unknown loss_type {cfg.loss_type!r}; expected one of {LOSS_TYPES}")
-    if cfg.agg not in AGGS:
-        raise ValueError(f"unknown agg {cfg.agg!r}; expected one of {AGGS}")
-    if cfg.agg == "seq-mean-token-sum-norm" and cfg.agg_norm_len is None:
-        raise ValueError(
-            "agg 'seq-mean-token-sum-norm' requires agg_norm_len (the constant length "
-            "normaliser, e.g. the generation's max_tokens)"
-        )
-    if logp.dim() != 2:
-        raise ValueError(f"logp must be (B, T), got shape {tuple(logp.shape)}")
-    shape = logp.shape
-    for name in ("behavior_logp", "mask", "prox_logp", "ref_logp", "entropy"):
-        t = named[name]
-        if t is not None and t.shape != shape:
-            raise ValueError(f"{name} shape {tuple(t.shape)} != logp shape {tuple(shape)}")
-    for name in ("seq_weights", "staleness"):
-        t = named[name]
-        if t is not None and tuple(t.shape) != (shape[0],):
-            raise ValueError(f"{name} must be (B,)=({shape[0]},), got {tuple(t.shape)}")
-    needs = (
-        (cfg.loss_type == "decoupled", "prox_logp", "loss_type 'decoupled' requires prox_logp"),
-        (cfg.kl_coef > 0, "ref_logp", f"kl_coef={cfg.kl_coef} requires ref_logp"),
-        (cfg.entropy_coef > 0, "entropy", f"entropy_coef={cfg.entropy_coef} requires entropy"),
-        (
-            cfg.staleness_decay is not None,
-            "staleness",
-            f"staleness_decay={cfg.staleness_decay} requires staleness",
-        ),
-    )
-    for needed, name, message in needs:
-        if needed and named[name] is None:
-            raise ValueError(message)
-    if advantages.dim() == 1:
-        advantages = advantages[:, None]
-    if (
-        advantages.dim() != 2
-        or advantages.shape[0] != shape[0]
-        or advantages.shape[1] not in (1, shape[1])
-    ):
-        raise ValueError(
-            f"advantages must be (B, T), (B,) or (B, 1) with B={shape[0]}, "
-            f"got {tuple(advantages.shape)}"
-        )
-    return advantages
-
-
 def _diagnostics(
     t: _Tokens, out: _PG, cfg: LossConfig, loss: Tensor, pg_loss: Tensor, **extra
 ) -> LossOutput:
@@ -344,6 +303,37 @@ def _diagnostics(
             approx_kl=approx_kl,
             **extra,
         )
+
+
+def _regularised(
+    pg: Tensor, lp: Tensor, ref: Tensor | None, ent: Tensor | None, mask: Tensor, cfg: LossConfig
+) -> tuple[Tensor, Tensor | None]:
+    """(per-token ``pg + kl_coef * k3(ref || pi) - entropy_coef * entropy``, mean k3 or None)."""
+    per_token = pg
+    kl_ref = None
+    if ref is not None:
+        # k3 = e^{ref - logp} - (ref - logp) - 1 >= 0, unbiased for KL(pi || ref) under pi.
+        d = torch.clamp(ref - lp, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+        k3 = torch.exp(d) - d - 1.0
+        kl_ref = _masked_mean(k3.detach(), mask)
+        if cfg.kl_coef > 0:
+            per_token = per_token + cfg.kl_coef * k3
+    if ent is not None and cfg.entropy_coef > 0:
+        per_token = per_token - cfg.entropy_coef * ent
+    return per_token, kl_ref
+
+
+def _sequence_weights(
+    n: int, lp: Tensor, seq_weights: Tensor | None, staleness: Tensor | None, cfg: LossConfig
+) -> Tensor:
+    """``(n,)`` per-sequence multipliers: ``seq_weights`` times ``staleness_decay ** staleness``."""
+    dtype = lp.dtype
+    seq_w = torch.ones(n, dtype=dtype, device=lp.device)
+    if seq_weights is not None:
+        seq_w = seq_w * seq_weights.detach().to(dtype)
+    if staleness is not None and cfg.staleness_decay is not None:
+        seq_w = seq_w * cfg.staleness_decay ** staleness.detach().to(dtype)
+    return seq_w
 
 
 def policy_loss(
@@ -384,7 +374,7 @@ def policy_loss(
     The per-token loss is ``pg + kl_coef * k3(ref || pi) - entropy_coef * entropy``, multiplied
     by the per-sequence weights, then aggregated with ``cfg.agg``.
     """
-    advantages = _check_inputs(
+    advantages = check_loss_inputs(
         logp, advantages, cfg, behavior_logp=behavior_logp, mask=mask, prox_logp=prox_logp,
         ref_logp=ref_logp, entropy=entropy, seq_weights=seq_weights, staleness=staleness,
     )  # fmt: skip
@@ -407,31 +397,12 @@ def policy_loss(
     )
     out = LOSSES[cfg.loss_type](t, cfg)
 
-    per_token = out.pg
-    kl_ref = None
-    if ref_logp is not None:
-        ref = clean(ref_logp.detach())
-        # k3 = e^{ref - logp} - (ref - logp) - 1 >= 0, unbiased for KL(pi || ref) under pi.
-        d = torch.clamp(ref - lp, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
-        k3 = torch.exp(d) - d - 1.0
-        kl_ref = _masked_mean(k3.detach(), mask)
-        if cfg.kl_coef > 0:
-            per_token = per_token + cfg.kl_coef * k3
+    ref = clean(ref_logp.detach()) if ref_logp is not None else None
     ent = clean(entropy) if entropy is not None else None
-    if ent is not None and cfg.entropy_coef > 0:
-        per_token = per_token - cfg.entropy_coef * ent
-
-    seq_w = torch.ones(shape[0], dtype=dtype, device=lp.device)
-    if seq_weights is not None:
-        seq_w = seq_w * seq_weights.detach().to(dtype)
-    if staleness is not None and cfg.staleness_decay is not None:
-        seq_w = seq_w * cfg.staleness_decay ** staleness.detach().to(dtype)
-    per_token = per_token * seq_w[:, None]
-
-    loss = _aggregate(per_token, mask, cfg, num_tokens_global, num_seqs_global)
-    pg_loss = _aggregate(
-        out.pg.detach() * seq_w[:, None], mask, cfg, num_tokens_global, num_seqs_global
-    )
+    per_token, kl_ref = _regularised(out.pg, lp, ref, ent, mask, cfg)
+    seq_w = _sequence_weights(shape[0], lp, seq_weights, staleness, cfg)[:, None]
+    loss = _aggregate(per_token * seq_w, mask, cfg, num_tokens_global, num_seqs_global)
+    pg_loss = _aggregate(out.pg.detach() * seq_w, mask, cfg, num_tokens_global, num_seqs_global)
     return _diagnostics(
         t,
         out,

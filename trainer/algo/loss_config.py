@@ -1,4 +1,5 @@
-"""The ``[loss]`` section (:class:`LossConfig`) and what a loss returns (:class:`LossOutput`).
+"""The ``[loss]`` section (:class:`LossConfig`), what a loss returns (:class:`LossOutput`) and
+the checks of a loss call's inputs against them (:func:`check_loss_inputs`).
 
 The losses themselves, and what every option does to them, are in :mod:`trainer.algo.loss`.
 """
@@ -11,13 +12,19 @@ from typing import Literal, get_args
 
 from torch import Tensor
 
-__all__ = ["AGGS", "LOSS_TYPES", "Agg", "LossConfig", "LossOutput", "LossType"]
+__all__ = [
+    "AGGS", "LOSS_TYPES", "MAX_METRICS", "Agg", "LossConfig", "LossOutput", "LossType",
+    "check_loss_inputs",
+]  # fmt: skip
 
 LossType = Literal["ppo", "tis", "icepop", "decoupled", "gspo", "asymre", "m2po"]
 Agg = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
 LOSS_TYPES: tuple[str, ...] = get_args(LossType)
 AGGS: tuple[str, ...] = get_args(Agg)
+# LossOutput diagnostics that combine as maxima over micro-batches, updates and ranks, not as
+# token-weighted means.
+MAX_METRICS = ("is_weight_max", "ratio_max_dev")
 
 
 @dataclass(frozen=True)
@@ -126,3 +133,53 @@ class LossOutput:
             for f in fields(self)
             if getattr(self, f.name) is not None
         }
+
+
+def check_loss_inputs(logp: Tensor, advantages: Tensor, cfg: LossConfig, **named) -> Tensor:
+    """:func:`trainer.algo.loss.policy_loss`'s inputs: raise ValueError on a shape or option
+    mismatch; return ``advantages`` as ``(B, T')`` 2-D."""
+    if cfg.loss_type not in LOSS_TYPES:
+        raise ValueError(f"unknown loss_type {cfg.loss_type!r}; expected one of {LOSS_TYPES}")
+    if cfg.agg not in AGGS:
+        raise ValueError(f"unknown agg {cfg.agg!r}; expected one of {AGGS}")
+    if cfg.agg == "seq-mean-token-sum-norm" and cfg.agg_norm_len is None:
+        raise ValueError(
+            "agg 'seq-mean-token-sum-norm' requires agg_norm_len (the constant length "
+            "normaliser, e.g. the generation's max_tokens)"
+        )
+    if logp.dim() != 2:
+        raise ValueError(f"logp must be (B, T), got shape {tuple(logp.shape)}")
+    shape = logp.shape
+    for name in ("behavior_logp", "mask", "prox_logp", "ref_logp", "entropy"):
+        t = named[name]
+        if t is not None and t.shape != shape:
+            raise ValueError(f"{name} shape {tuple(t.shape)} != logp shape {tuple(shape)}")
+    for name in ("seq_weights", "staleness"):
+        t = named[name]
+        if t is not None and tuple(t.shape) != (shape[0],):
+            raise ValueError(f"{name} must be (B,)=({shape[0]},), got {tuple(t.shape)}")
+    needs = (
+        (cfg.loss_type == "decoupled", "prox_logp", "loss_type 'decoupled' requires prox_logp"),
+        (cfg.kl_coef > 0, "ref_logp", f"kl_coef={cfg.kl_coef} requires ref_logp"),
+        (cfg.entropy_coef > 0, "entropy", f"entropy_coef={cfg.entropy_coef} requires entropy"),
+        (
+            cfg.staleness_decay is not None,
+            "staleness",
+            f"staleness_decay={cfg.staleness_decay} requires staleness",
+        ),
+    )
+    for needed, name, message in needs:
+        if needed and named[name] is None:
+            raise ValueError(message)
+    if advantages.dim() == 1:
+        advantages = advantages[:, None]
+    if (
+        advantages.dim() != 2
+        or advantages.shape[0] != shape[0]
+        or advantages.shape[1] not in (1, shape[1])
+    ):
+        raise ValueError(
+            f"advantages must be (B, T), (B,) or (B, 1) with B={shape[0]}, "
+            f"got {tuple(advantages.shape)}"
+        )
+    return advantages

@@ -1,4 +1,5 @@
-"""The learner's optimisation settings: AdamW, the LR schedule, accumulation and memory."""
+"""The learner's optimisation settings (AdamW, the LR schedule, accumulation and memory) and
+the AdamW + LR schedule they build (:func:`build_adamw`)."""
 
 from __future__ import annotations
 
@@ -116,6 +117,26 @@ class OptimConfig:
         progress = min(1.0, (step - self.warmup_steps) / decay_steps)
         cos = 0.5 * (1.0 + math.cos(math.pi * progress))
         return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * cos
+
+
+def build_adamw(model: Any, cfg: OptimConfig) -> tuple[list[Any], Any, Any]:
+    """(trainable parameters, AdamW, LR schedule) over ``model``'s current parameters."""
+    import torch
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    # Weight decay on matrices only: decaying norms' gains and biases towards 0 only hurts.
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    optimizer = torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": cfg.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        lr=cfg.lr,
+        betas=cfg.betas,
+        eps=cfg.eps,
+    )
+    return params, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, cfg.lr_factor)
 
 
 def _is_int(value: Any) -> bool:

@@ -168,37 +168,18 @@ def make_tiny_model(
     if num_texts < 1:
         raise ValueError(f"num_texts must be >= 1, got {num_texts}")
     import torch
-    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+    from transformers import AutoModelForCausalLM
 
     from trainer.models.archs import ARCHITECTURES, model_config
 
     if architecture not in ARCHITECTURES:
         raise ValueError(f"architecture must be one of {ARCHITECTURES}, got {architecture!r}")
     # Draw the texts first so a bad task name fails before anything is written.
-    if chat_template is True:
-        template: str | None = CHAT_TEMPLATE
-    elif chat_template is False or chat_template is None:
-        template = None
-    elif isinstance(chat_template, str) and chat_template:
-        template = chat_template
-    else:
-        raise ValueError(f"chat_template must be a bool or a Jinja string, got {chat_template!r}")
+    template = _chat_template(chat_template)
     texts = _training_texts(task, seed, num_texts, task_kwargs or {}, template)
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-
-    backend = train_tokenizer(texts, vocab_size=vocab_size)
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN
-    )
-    if len(tokenizer) > vocab_size:
-        raise ValueError(
-            f"tokenizer has {len(tokenizer)} tokens, more than vocab_size={vocab_size}"
-        )
-    if template is not None:
-        tokenizer.chat_template = template
-    tokenizer.save_pretrained(out)
-    patch_tokenizer_config(out / "tokenizer_config.json", max_position_embeddings)
+    tokenizer = _save_tokenizer(out, texts, vocab_size, template, max_position_embeddings)
 
     config = model_config(
         architecture,
@@ -226,3 +207,35 @@ def make_tiny_model(
     }
     (out / "tiny_model.json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
     return out
+
+
+def _chat_template(chat_template: bool | str | None) -> str | None:
+    """make_tiny_model's ``chat_template`` argument -> the Jinja template to save, or None."""
+    if chat_template is True:
+        return CHAT_TEMPLATE
+    if chat_template is False or chat_template is None:
+        return None
+    if isinstance(chat_template, str) and chat_template:
+        return chat_template
+    raise ValueError(f"chat_template must be a bool or a Jinja string, got {chat_template!r}")
+
+
+def _save_tokenizer(
+    out: Path, texts: list[str], vocab_size: int, template: str | None, max_positions: int
+) -> Any:
+    """Train the tokenizer on ``texts`` and save it (with ``template``) to ``out``."""
+    from transformers import PreTrainedTokenizerFast
+
+    backend = train_tokenizer(texts, vocab_size=vocab_size)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN
+    )
+    if len(tokenizer) > vocab_size:
+        raise ValueError(
+            f"tokenizer has {len(tokenizer)} tokens, more than vocab_size={vocab_size}"
+        )
+    if template is not None:
+        tokenizer.chat_template = template
+    tokenizer.save_pretrained(out)
+    patch_tokenizer_config(out / "tokenizer_config.json", max_positions)
+    return tokenizer

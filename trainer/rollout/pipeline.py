@@ -187,38 +187,15 @@ def generate_rollouts(
     from tqdm.auto import tqdm
 
     sampling = SamplingParams(group_size, temperature, top_p, top_k, max_tokens, seed)
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; choose one of {list(BACKENDS)}")
-    if _not_int(batch_prompts) or batch_prompts < 1:
-        raise ValueError(f"batch_prompts must be an int >= 1, got {batch_prompts!r}")
-    if _not_int(policy_version) or policy_version < 0:
-        raise ValueError(f"policy_version must be an int >= 0, got {policy_version!r}")
-    if not isinstance(run_id, str) or not run_id:
-        raise ValueError(f"run_id must be a non-empty str, got {run_id!r}")
+    _check_args(backend, batch_prompts, policy_version, run_id)
     task_obj = get_task(task) if isinstance(task, str) else task
     prompt_objs = _resolve_prompts(task_obj, prompts, seed)
     if embedder is None:
         embedder = HashingEmbedder(dim=store.embedding_dim)
 
-    owned = not hasattr(model, "generate")
-    gen = (
-        make_generator(
-            model, backend, policy_version=policy_version, policy_id=policy_id, seed=seed
-        )
-        if owned
-        else model
+    gen, owned, prompt_objs = _open_generator(
+        model, backend, task_obj, prompt_objs, policy_version, policy_id, seed
     )
-    # The text the model sees (chat-rendered when the task's template mode says so): it is
-    # what the generator tokenizes, what the store records and what the reward is given.
-    prompt_objs = render_prompts(
-        getattr(gen, "tokenizer", None), prompt_objs, getattr(task_obj, "chat_template", "auto")
-    )
-    recorded = getattr(gen, "policy_version", policy_version)
-    if recorded != policy_version:
-        raise ValueError(
-            f"policy_version {policy_version} does not match the generator's policy_version "
-            f"{recorded}; the store would record the wrong policy"
-        )
     try:
         bar = tqdm(
             total=len(prompt_objs) * group_size,
@@ -230,43 +207,94 @@ def generate_rollouts(
             for b, lo in enumerate(range(0, len(prompt_objs), batch_prompts)):
                 batch = prompt_objs[lo : lo + batch_prompts]
                 ids = _BatchIds(id_namespace, b, id_time_ms) if id_namespace is not None else None
-                if ids is not None and store.count(filter=f"rollout_id = '{ids.rollout(0)}'"):
-                    # Already appended by an earlier (crashed) attempt: batches are atomic.
-                    # It counts as generated (totals, round reward) as it did then.
-                    n = len(batch) * group_size
-                    writer.count(_stored_rows(store, [ids.rollout(k) for k in range(n)]))
-                    bar.update(n)
+                if _already_stored(store, ids, len(batch) * group_size, writer, bar):
                     continue
-                rows = gen.generate(
-                    [p.prompt_text for p in batch], **replace(sampling, seed=seed + b).kwargs()
-                )
-                if len(rows) != len(batch) * group_size:
-                    raise RuntimeError(
-                        f"generator returned {len(rows)} rows for {len(batch)} prompts x "
-                        f"group {group_size}"
-                    )
+                rows = _sample_batch(gen, batch, replace(sampling, seed=seed + b))
                 _finish_rows(
                     rows, batch, task_obj, embedder, store.embedding_dim, run_id, advantage_ddof
                 )
                 if ids is not None:
-                    for k, row in enumerate(rows):
-                        row["rollout_id"] = ids.rollout(k)
-                        row["group_id"] = ids.group(k // group_size)
+                    _set_ids(rows, ids, group_size)
                 writer.submit(b, rows)
         seconds = time.perf_counter() - writer.start
     finally:
         # Stopping an engine takes seconds; it is not part of the measured time.
         if owned and hasattr(gen, "close"):
             gen.close()
-    return GenerateSummary(
-        rollouts=writer.rollouts,
-        tokens=writer.tokens,
-        mean_reward=writer.reward_sum / writer.rollouts if writer.rollouts else float("nan"),
-        tokens_per_s=writer.tokens / seconds if seconds > 0 else float("inf"),
-        seconds=seconds,
-        store_version=writer.version,
-        store_wait_s=writer.waited,
+    return writer.summary(seconds)
+
+
+def _open_generator(
+    model: Any,
+    backend: str,
+    task: Task,
+    prompts: list[Prompt],
+    policy_version: int,
+    policy_id: str | None,
+    seed: int,
+) -> tuple[Any, bool, list[Prompt]]:
+    """(generator, whether this call built it, ``prompts`` rendered for its tokenizer)."""
+    owned = not hasattr(model, "generate")
+    gen = (
+        make_generator(
+            model, backend, policy_version=policy_version, policy_id=policy_id, seed=seed
+        )
+        if owned
+        else model
     )
+    # The text the model sees (chat-rendered when the task's template mode says so): it is
+    # what the generator tokenizes, what the store records and what the reward is given.
+    prompts = render_prompts(
+        getattr(gen, "tokenizer", None), prompts, getattr(task, "chat_template", "auto")
+    )
+    recorded = getattr(gen, "policy_version", policy_version)
+    if recorded != policy_version:
+        raise ValueError(
+            f"policy_version {policy_version} does not match the generator's policy_version "
+            f"{recorded}; the store would record the wrong policy"
+        )
+    return gen, owned, prompts
+
+
+def _set_ids(rows: list[dict[str, Any]], ids: _BatchIds, group_size: int) -> None:
+    """The batch's deterministic rollout and group ids (after its advantages are computed)."""
+    for k, row in enumerate(rows):
+        row["rollout_id"] = ids.rollout(k)
+        row["group_id"] = ids.group(k // group_size)
+
+
+def _check_args(backend: str, batch_prompts: int, policy_version: int, run_id: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; choose one of {list(BACKENDS)}")
+    if _not_int(batch_prompts) or batch_prompts < 1:
+        raise ValueError(f"batch_prompts must be an int >= 1, got {batch_prompts!r}")
+    if _not_int(policy_version) or policy_version < 0:
+        raise ValueError(f"policy_version must be an int >= 0, got {policy_version!r}")
+    if not isinstance(run_id, str) or not run_id:
+        raise ValueError(f"run_id must be a non-empty str, got {run_id!r}")
+
+
+def _already_stored(store: Any, ids: _BatchIds | None, n: int, writer: _Writer, bar: Any) -> bool:
+    """True when an earlier (crashed) attempt appended this batch (batches are atomic); it
+    then counts as generated (totals, round reward) as it did then."""
+    if ids is None or not store.count(filter=f"rollout_id = '{ids.rollout(0)}'"):
+        return False
+    writer.count(_stored_rows(store, [ids.rollout(k) for k in range(n)]))
+    bar.update(n)
+    return True
+
+
+def _sample_batch(
+    gen: Any, batch: Sequence[Prompt], sampling: SamplingParams
+) -> list[dict[str, Any]]:
+    """``group_size`` sampled completions per prompt of ``batch``, prompt-major."""
+    rows = gen.generate([p.prompt_text for p in batch], **sampling.kwargs())
+    if len(rows) != len(batch) * sampling.group_size:
+        raise RuntimeError(
+            f"generator returned {len(rows)} rows for {len(batch)} prompts x "
+            f"group {sampling.group_size}"
+        )
+    return rows
 
 
 def _resolve_prompts(task: Task, prompts: int | Sequence[Prompt], seed: int) -> list[Prompt]:
@@ -321,6 +349,17 @@ class _Writer:
     def submit(self, b: int, rows: list[dict[str, Any]]) -> None:
         self._finish()
         self.pending = (b, self.pool.submit(self.store.append, rows), rows)
+
+    def summary(self, seconds: float) -> GenerateSummary:
+        return GenerateSummary(
+            rollouts=self.rollouts,
+            tokens=self.tokens,
+            mean_reward=self.reward_sum / self.rollouts if self.rollouts else float("nan"),
+            tokens_per_s=self.tokens / seconds if seconds > 0 else float("inf"),
+            seconds=seconds,
+            store_version=self.version,
+            store_wait_s=self.waited,
+        )
 
     def count(self, rows: list[dict[str, Any]]) -> None:
         # Rewards as the store holds them (float32), so that a batch counted again from the

@@ -112,7 +112,6 @@ def _actor_source(
     return cfg, meta, store, weights, Path(state_dir or Path(cfg.run.dir) / "actors"), None
 
 
-# Long by design: the actor side of the protocol (trainer.run.async_learner), top to bottom.
 def run_actor(
     source: str | os.PathLike | TrainConfig,
     actor_id: int,
@@ -147,11 +146,8 @@ def run_actor(
     backend = resolve_backend(g.backend)
     # Learner and actors share the CPU cores; one thread each avoids oversubscription.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // (r.actors + 1)))
-    policy = (
-        VLLMPolicy(g, task, run_id, seed=r.seed + actor_id)
-        if backend == "vllm"
-        else HFPolicy(run_id)
-    )
+    seed = r.seed + actor_id
+    policy = VLLMPolicy(g, task, run_id, seed=seed) if backend == "vllm" else HFPolicy(run_id)
 
     def stopped() -> bool:
         if max_rounds is not None and rounds >= max_rounds:
@@ -162,14 +158,14 @@ def run_actor(
 
     # A round an earlier life started (its first batch is in the store) is finished even if
     # STOP is already there, so every round in the store ends up complete.
-    first = deterministic_uuid7(f"{run_id}/a{actor_id}/r{rnd}/b0/0", start_ms)
-    unfinished = store.count(filter=f"rollout_id = '{first}'") > 0
+    unfinished = _round_started(store, run_id, actor_id, rnd, start_ms)
     print(
         f"actor {actor_id}: pid {os.getpid()}, backend {backend}, store {store_uri}, weights "
         f"{weights_dir}, starting at round {rnd}"
         + (" (left unfinished by an earlier life)" if unfinished else ""),
         flush=True,
     )
+    log_path = (run_dir or state_dir) / "metrics.jsonl"
     gen, version, done_at_version, rounds = None, -1, 0, 0
     try:
         while unfinished or not stopped():
@@ -190,18 +186,28 @@ def run_actor(
             rounds += 1
             unfinished = False
             done_at_version += 1
-            _write_json(state_path, {"round": rnd})
-            _log_line(
-                (run_dir or state_dir) / "metrics.jsonl",
-                _round_record(summary, actor_id, rnd - 1, version),
-            )
-            print(
-                f"actor {actor_id}: round {rnd - 1} with version {version}: {summary.line()}",
-                flush=True,
-            )
+            _round_done(state_path, log_path, summary, actor_id, rnd, version)
     finally:
         policy.close()
     return rounds
+
+
+def _round_started(store: Any, run_id: str, actor_id: int, rnd: int, start_ms: int) -> bool:
+    """Whether an earlier life of this actor appended round ``rnd``'s first batch."""
+    first = deterministic_uuid7(f"{run_id}/a{actor_id}/r{rnd}/b0/0", start_ms)
+    return store.count(filter=f"rollout_id = '{first}'") > 0
+
+
+def _round_done(
+    state_path: Path, metrics_path: Path, summary, actor_id: int, rnd: int, version: int
+) -> None:
+    """Round ``rnd - 1`` is in the store: record ``rnd`` as the next one, log and report it."""
+    _write_json(state_path, {"round": rnd})
+    _log_line(metrics_path, _round_record(summary, actor_id, rnd - 1, version))
+    print(
+        f"actor {actor_id}: round {rnd - 1} with version {version}: {summary.line()}",
+        flush=True,
+    )
 
 
 def _generate_round(

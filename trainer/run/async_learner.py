@@ -159,7 +159,6 @@ def _eligible_rows(selector: Selector, learner_version: int) -> int:
         return 0
 
 
-# Long by design: the learner side of the protocol in the module docstring, top to bottom.
 def async_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> TrainResult:
     """Run (or resume) the async loop described in the module docstring (learner side)."""
     from tqdm.auto import tqdm
@@ -179,37 +178,21 @@ def async_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True
     learner, loader, state = setup_learner(cfg, run_dir, run_id, store, task, model_dir, resume)
     # A second selector only counts eligible rows (it records no usage, draws nothing).
     counter = Selector(store, cfg.replay, run_id=run_id, record_usage=False)
-    step, totals = 0, {"train_seconds": 0.0, "wait_seconds": 0.0}
+    step, totals, first_eval = _progress(state)
     generated = _Generated(store, run_id)
-    first_eval = None
-    if state is not None:
-        step, first_eval = state["step"], state.get("first_eval")
-        totals.update({k: v for k, v in state["totals"].items() if k in totals})
 
-    weights_dir = configured_location(cfg, "weights") or run_dir / "weights"
-    # Standalone actors (other machines) learn the run's identity from the weights location.
-    write_text(weights_dir, "run.json", json.dumps(meta), options)
-    remove_text(weights_dir, "STOP", options)
-    publish_weights(
-        weights_dir, learner.policy_version, learner.model, template=model_dir,
-        storage_options=options,
-    )  # fmt: skip
+    weights_dir = _open_weights(cfg, run_dir, meta, options)
+    _publish(weights_dir, learner, model_dir, options)
     (run_dir / "STOP").unlink(missing_ok=True)
     metrics = Metrics(run_dir)
     actors = ActorPool(run_dir, r.actors, rounds_ahead(cfg), metrics)
     generator = HFGenerator(model_dir, policy_version=learner.policy_version, policy_id=run_id)
-
-    def sync_generator() -> None:
-        generator.model.load_state_dict(learner.model.state_dict())
-        generator.policy_version = learner.policy_version
-
     bar = tqdm(total=r.steps, initial=step, desc="train", unit="step", disable=not progress)
     last_eval = first_eval
     try:
         actors.start_all()  # they start (seconds) and generate while the learner evaluates
         if first_eval is None:
-            sync_generator()
-            first_eval = last_eval = evaluate(generator, task, cfg)
+            first_eval = last_eval = _evaluate(generator, learner, task, cfg)
             metrics.log("eval", step, {"reward": first_eval})
         it = iter(loader)
         waiting = False
@@ -218,10 +201,7 @@ def async_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True
             lv = learner.policy_version
             if _eligible_rows(counter, lv) < r.min_rows:
                 if not waiting:
-                    bar.write(
-                        f"step {step}: waiting for {r.min_rows} eligible rows "
-                        f"(learner version {lv}, {store.count()} rows in the store)"
-                    )
+                    bar.write(_waiting_line(step, r.min_rows, lv, store))
                 waiting = True
                 totals["wait_seconds"] += _sleep(POLL_SECONDS)
                 continue
@@ -239,19 +219,13 @@ def async_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True
             totals["train_seconds"] += time.perf_counter() - t0
             step += 1
             if step % PUBLISH_EVERY == 0 or step == r.steps:
-                publish_weights(
-                    weights_dir, learner.policy_version, learner.model, template=model_dir,
-                    storage_options=options,
-                )  # fmt: skip
-            m.update(_batch_metrics(batch, lv), **totals, **generated.read())
-            # Mean uses per generated rollout so far (sync runs log the planned y * B / R).
-            m["replay_ratio"] = step * r.batch_size / max(1, m["generated_rollouts"])
+                _publish(weights_dir, learner, model_dir, options)
+            m = _train_record(m, batch, lv, totals, generated.read(), step, r.batch_size)
             metrics.log("train", step, m)
             bar.update(1)
             bar.set_postfix(reward=f"{m['reward']:.2f}", loss=f"{m['loss']:.3f}")
             if (r.eval_every and step % r.eval_every == 0) or step == r.steps:
-                sync_generator()
-                last_eval = evaluate(generator, task, cfg)
+                last_eval = _evaluate(generator, learner, task, cfg)
                 metrics.log("eval", step, {"reward": last_eval, **totals})
                 bar.write(f"step {step}: eval reward {last_eval:.3f} (start {first_eval:.3f})")
             if step % r.checkpoint_every == 0 or step == r.steps:
@@ -266,7 +240,60 @@ def async_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True
     return TrainResult(run_dir, store_uri, step, first_eval, last_eval)
 
 
-# -- an actor --------------------------------------------------------------------------------
+def _progress(state: dict[str, Any] | None) -> tuple[int, dict[str, float], float | None]:
+    """(step, time totals, first eval reward) of a fresh run, or of the checkpoint ``state``."""
+    step, totals = 0, {"train_seconds": 0.0, "wait_seconds": 0.0}
+    first_eval = None
+    if state is not None:
+        step, first_eval = state["step"], state.get("first_eval")
+        totals.update({k: v for k, v in state["totals"].items() if k in totals})
+    return step, totals, first_eval
+
+
+def _open_weights(cfg: TrainConfig, run_dir: Path, meta: dict[str, Any], options) -> str | Path:
+    """The weights location, holding this run's run.json and no STOP."""
+    weights_dir = configured_location(cfg, "weights") or run_dir / "weights"
+    # Standalone actors (other machines) learn the run's identity from the weights location.
+    write_text(weights_dir, "run.json", json.dumps(meta), options)
+    remove_text(weights_dir, "STOP", options)
+    return weights_dir
+
+
+def _publish(weights_dir: str | Path, learner: Any, model_dir: Path, options) -> None:
+    publish_weights(
+        weights_dir, learner.policy_version, learner.model, template=model_dir,
+        storage_options=options,
+    )  # fmt: skip
+
+
+def _evaluate(generator: Any, learner: Any, task: Any, cfg: TrainConfig) -> float:
+    """The eval reward of the learner's current weights, loaded into the HF generator."""
+    generator.model.load_state_dict(learner.model.state_dict())
+    generator.policy_version = learner.policy_version
+    return evaluate(generator, task, cfg)
+
+
+def _waiting_line(step: int, min_rows: int, learner_version: int, store: RolloutStore) -> str:
+    return (
+        f"step {step}: waiting for {min_rows} eligible rows "
+        f"(learner version {learner_version}, {store.count()} rows in the store)"
+    )
+
+
+def _train_record(
+    m: dict[str, Any],
+    batch: dict[str, Any],
+    learner_version: int,
+    totals: dict[str, float],
+    generated: dict[str, int],
+    step: int,
+    batch_size: int,
+) -> dict[str, Any]:
+    """A step's train record: the learner's metrics, its batch's, the totals so far."""
+    m.update(_batch_metrics(batch, learner_version), **totals, **generated)
+    # Mean uses per generated rollout so far (sync runs log the planned y * B / R).
+    m["replay_ratio"] = step * batch_size / max(1, m["generated_rollouts"])
+    return m
 
 
 def _sleep(seconds: float) -> float:
