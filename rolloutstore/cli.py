@@ -284,7 +284,7 @@ def _timeout_arg(p: argparse.ArgumentParser) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Run one command; user errors print ``error: ...`` (one line) and return 2."""
     from .errors import QueryInterrupted
-    from .sql import sigint_interrupts
+    from .query_limits import sigint_interrupts
 
     argv = sys.argv[1:] if argv is None else list(argv)
     debug = "--debug" in argv or os.environ.get("ROLLOUTSTORE_DEBUG") == "1"

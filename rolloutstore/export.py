@@ -72,7 +72,8 @@ from .export_shapes import (
     chat_batch,
     shape_query,
 )
-from .sql import check_where, limits
+from .query_limits import limits
+from .sql import check_where
 
 __all__ = [
     "DPO_COLUMNS",

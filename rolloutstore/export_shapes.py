@@ -14,7 +14,7 @@ import duckdb
 import pyarrow as pa
 
 from .errors import ExportError, QueryError
-from .sql import limits
+from .query_limits import limits
 
 if TYPE_CHECKING:
     from .store import RolloutStore
