@@ -42,17 +42,17 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-import lance
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute  # noqa: F401  (pa.compute)
 
 from ..errors import EmptyBufferError, RewardVersionError, ShortBatchWarning
 from ..rescore import apply_rewards
-from ..sql import REWARDS_NEWEST_SQL, connect, run
+from ..sql import connect, run
 from ..store import RolloutStore
 from .config import ReplayConfig
 from .draw import codes, draw, fresh_mask
+from .overlay import RewardOverlay
 from .queries import (
     SCALAR_COLUMNS,
     SELECT_COLUMNS,
@@ -107,8 +107,7 @@ class Selector:
         self._codes_cache: tuple | None = None
         self._last_sql: str | None = None
         self._last_filter: str | None = None
-        self._rewards_ds = None
-        self._overlay_cache: tuple | None = None
+        self._rewards = RewardOverlay()
 
     def _sql(self, tables: dict[str, Any], query: str, params: list | None = None) -> pa.Table:
         """Run ``query`` on this selector's one DuckDB connection with ``tables`` registered."""
@@ -126,8 +125,7 @@ class Selector:
         state["_con"] = None
         state["_buf_cache"] = None
         state["_codes_cache"] = None
-        state["_rewards_ds"] = None
-        state["_overlay_cache"] = None
+        state["_rewards"] = RewardOverlay()
         return state
 
     # -- state -------------------------------------------------------------------------
@@ -201,7 +199,7 @@ class Selector:
         """Window, staleness and group filters; cached per (store version, staleness bound)."""
         ds = self.store.dataset()
         lower = self._lower(learner_version)
-        key = (ds.version, lower, self._rewards_version())
+        key = (ds.version, lower, self._rewards.version(self.store))
         if self._buf_cache is not None and self._buf_cache[0] == key:
             return self._buf_cache[1]
         buf = self._buffer(ds, lower)
@@ -280,48 +278,9 @@ class Selector:
             t = ds.scanner(
                 columns=cols, filter=scan_filter, fragments=fragments, with_row_address=True
             ).to_table()
-        return apply_rewards(t, self._overlay())
-
-    # -- re-scored rewards -------------------------------------------------------------
-    def _rewards_version(self) -> int | None:
-        """Version of the rewards table (None: no re-scoring yet); cheap, read every draw."""
-        if self._rewards_ds is None:
-            ds = self.store.rewards_table()
-            if not isinstance(ds, lance.LanceDataset):
-                return None
-            self._rewards_ds = ds
-        return self._rewards_ds.latest_version
-
-    def _overlay(self) -> pa.Table | None:
-        """(rollout_id, reward, advantage, reward_version) of the chosen re-scoring per rollout."""
-        version = self._rewards_version()
-        want = self.config.reward_version
-        if self._overlay_cache is not None and self._overlay_cache[0] == version:
-            return self._overlay_cache[1]
-        table = None
-        if version is not None:
-            ds = self._rewards_ds.checkout_version(version)
-            newest = self._sql({"rewards": ds}, "SELECT max(reward_version) AS v FROM rewards")
-            top = newest["v"][0].as_py() or 0
-            if want is not None and want > top:
-                raise RewardVersionError(
-                    f"ReplayConfig.reward_version {want} does not exist: the store's "
-                    f"re-scorings go up to {top} (0 = the rewards rollouts were written with)"
-                )
-            where = "" if want is None else "WHERE reward_version <= ?"
-            table = self._sql(
-                {"rewards": ds},
-                REWARDS_NEWEST_SQL.format(where=where),
-                None if want is None else [want],
-            )
-            table = table if table.num_rows else None
-        elif want not in (None, 0):
-            raise RewardVersionError(
-                f"ReplayConfig.reward_version {want} does not exist: the store has no "
-                "re-scorings yet (run `rolloutstore rescore`), only version 0"
-            )
-        self._overlay_cache = (version, table)
-        return table
+        return apply_rewards(
+            t, self._rewards.table(self.store, self._sql, self.config.reward_version)
+        )
 
     def _eligible_count_and_nth(self, cand: pa.Table, params_where: list) -> tuple[int, int]:
         where = f"WHERE ({self.config.where})" if self.config.where else ""
