@@ -18,6 +18,10 @@ rolloutstore demo [RUN_DIR]
 Other packages add commands through the ``rolloutstore.commands`` entry point (see
 rolloutstore.plugins); the trainer adds ``generate`` and ``rescore``.
 
+This module holds the parser, the error handling and the query commands (``sql``,
+``export``, ``sample``); :mod:`rolloutstore.cli_ingest` holds ``init`` and ``ingest``,
+:mod:`rolloutstore.cli_maintain` the rest.
+
 Errors: a user error (any RolloutStoreError, a bad argument, a missing file, or an
 error a plugin declares user-facing, or any exception class with ``user_facing = True``)
 prints one line ``error: ...`` to stderr and exits 2; ``--debug`` shows the traceback
@@ -30,20 +34,18 @@ written with ``--out`` keep the stored text as is. Output paths inside a store a
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import shutil
 import sys
-import time
 import warnings
 from collections.abc import Callable
-from datetime import timedelta
-from pathlib import Path
 
 import pyarrow as pa
 
+from .cli_ingest import add_fill_commands
+from .cli_maintain import add_maintenance_commands
+from .cliargs import open_store
 from .errors import RolloutStoreError, UsageError
-from .output import format_table, print_stats, write_result
+from .output import write_result
 
 # Predicates saying an exception is a user error (one line, no traceback); plugins add theirs.
 _USER_ERRORS: list[Callable[[BaseException], bool]] = []
@@ -74,109 +76,16 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{self.prog}: {message} (see {self.prog} --help)")
 
 
-def _store(path: str, *, create: bool = False):
-    from .store import RolloutStore
-
-    return RolloutStore.open(path, create=create)
-
-
 def _param(s: str):
     from .cliargs import parse_scalar
 
     return parse_scalar(s)
 
 
-def cmd_init(a) -> None:
-    from .store import RolloutStore
-
-    s = RolloutStore.open(a.store, create=True, embedding_dim=a.embedding_dim)
-    print(
-        f"store {s.uri}: version {s.version}, {s.count()} rollouts, embedding_dim {s.embedding_dim}"
-    )
-
-
-def cmd_ingest(a) -> None:
-    from .ingest import ingest_files
-
-    rename = {}
-    for m in a.map:
-        src, sep, dest = m.partition("=")
-        if not sep or not src or not dest:
-            raise UsageError(f"--map takes SRC=DEST (rename field SRC to DEST), got {m!r}")
-        rename[src] = dest
-
-    def report(r) -> None:
-        skipped = f", {r.skipped} skipped as duplicates" if r.skipped else ""
-        print(f"{r.path}: {r.rows} rollouts{skipped} (store version {r.version})")
-
-    importer = _text_importer(a)
-    store, results = ingest_files(
-        a.store,
-        a.files,
-        rename=rename,
-        progress=not a.quiet,
-        on_duplicate=a.on_duplicate,
-        on_result=report,
-        importer=importer,
-    )
-    total, skipped = sum(r.rows for r in results), sum(r.skipped for r in results)
-    dup = f" ({skipped} skipped: rollout_id already stored)" if skipped else ""
-    print(f"ingested {total} rollouts{dup} into {store.uri}; store has {store.count()}")
-    if importer is not None and importer.null_advantages:
-        print(
-            f"warning: {importer.null_advantages} rows have no advantage (--advantages none): "
-            "stored as null, which replay trains as 0; use --advantages grpo|drgrpo or "
-            "`rolloutstore rescore` to give them one",
-            file=sys.stderr,
-        )
-
-
-def _text_importer(a):
-    text_flags = [
-        f
-        for f, v in (
-            ("--tokenizer", a.tokenizer),
-            ("--score-with", a.score_with),
-            ("--chat-template", a.chat_template),
-            ("--ignore-unknown", a.ignore_unknown),
-        )
-        if v
-    ]
-    if a.source is None:
-        if text_flags:
-            raise UsageError(f"{', '.join(text_flags)} only apply with --from verl|trl|openai")
-        return None
-    from .interop import TextImporter, TextImportOptions, resolve_transformer
-
-    try:
-        options = TextImportOptions(
-            source=a.source,
-            tokenizer=a.tokenizer,
-            score_with=a.score_with,
-            chat_template=a.chat_template,
-            advantages=a.advantages,
-            ignore_unknown=a.ignore_unknown,
-            temperature=a.temperature,
-            top_p=a.top_p,
-            top_k=a.top_k,
-            policy_version=a.policy_version,
-            run_id=a.run_id,
-        )
-    except ValueError as exc:
-        raise UsageError(str(exc)) from exc
-    if options.score_with is None:
-        raise UsageError(
-            f"--from {a.source}: these files carry text, not behaviour log-probs; pass "
-            "--score-with MODEL_DIR to recompute them teacher-forced (and --tokenizer DIR "
-            "if the model folder has no tokenizer)"
-        )
-    return TextImporter(options, resolve_transformer(options))
-
-
 def cmd_sql(a) -> None:
     from .sql import run
 
-    store = _store(a.store)
+    store = open_store(a.store)
     if a.out:
         from .export import check_output_path
 
@@ -202,7 +111,7 @@ def cmd_sql(a) -> None:
 def cmd_export(a) -> None:
     from .export import infer_format
 
-    store = _store(a.store)
+    store = open_store(a.store)
     fmt = a.format or infer_format(a.out)
     columns = a.columns.split(",") if a.columns is not None else None
     r = store.export(
@@ -228,7 +137,7 @@ def cmd_sample(a) -> None:
         cfg = dataclass_from_args(ReplayConfig, a)
     except (ValueError, TypeError) as exc:  # ReplayConfig names the offending option
         raise UsageError(str(exc)) from exc
-    store = _store(a.store)
+    store = open_store(a.store)
     if not a.explain:
         if a.batch_size is None and a.max_tokens is None:
             raise UsageError("sample needs --batch-size N or --max-tokens T")
@@ -274,106 +183,13 @@ def _next_step(store, run_id: str) -> int:
     return 0 if last is None else int(last) + 1
 
 
-def cmd_stats(a) -> None:
-    st = _store(a.store).stats()
-    if a.json:
-        print(json.dumps(st, default=str, indent=2))
-    else:
-        print_stats(st)
-
-
-def cmd_versions(a) -> None:
-    for v in _store(a.store).versions():
-        print(f"{v['version']:>6}  {v['timestamp']}")
-
-
-def cmd_compact(a) -> None:
-    store = _store(a.store)
-    older = (
-        None if a.cleanup_older_than_hours is None else timedelta(hours=a.cleanup_older_than_hours)
-    )
-    print(json.dumps(store.compact(cleanup_older_than=older), indent=2))
-
-
-def cmd_gc(a) -> None:
-    store = _store(a.store)
-    r = store.gc(min_age=timedelta(hours=a.min_age_hours), exports=a.exports, dry_run=a.dry_run)
-    verb = "would remove" if a.dry_run else "removed"
-    print(
-        f"{verb} {len(r.removed)} unreferenced files ({r.bytes_removed} bytes); kept "
-        f"{r.kept_young} younger than {a.min_age_hours} h; {r.versions_checked} versions checked"
-    )
-
-
-def cmd_evict(a) -> None:
-    import dataclasses
-
-    from .cliargs import dataclass_from_args
-    from .retention import RetentionConfig, format_report
-
-    options = sorted(f.name for f in dataclasses.fields(RetentionConfig) if f.name in vars(a))
-    if options and not a.preserve_diversity:
-        flags = ", ".join("--" + n.replace("_", "-") for n in options)
-        raise SystemExit(f"error: {flags} only apply with --preserve-diversity")
-    if a.preserve_diversity and a.keep is None:
-        raise SystemExit("error: --preserve-diversity needs --keep N (the rows to keep)")
-    try:
-        diverse = dataclass_from_args(RetentionConfig, a) if a.preserve_diversity else False
-        store = _store(a.store)
-        older = None if a.older_than_hours is None else timedelta(hours=a.older_than_hours)
-        r = store.evict(
-            keep_last=a.keep,
-            older_than=older,
-            min_policy_version=a.min_policy_version,
-            preserve_diversity=diverse,
-        )
-    except ValueError as exc:
-        if isinstance(exc, RolloutStoreError):
-            raise
-        raise SystemExit(f"error: {exc}") from exc
-    print(f"evicted {r.rows_deleted} rollouts, {r.rows_left} left (store version {r.version})")
-    if r.coverage is not None:
-        print(format_report(r.coverage))
-
-
-def cmd_schema(a) -> None:
-    from .schema import describe
-
-    print(describe())
-
-
-def cmd_demo(a) -> None:
-    from .proxy import proxy_batches
-    from .store import RolloutStore
-
-    path = Path(a.run_dir) / "store"
-    if path.exists():
-        shutil.rmtree(path)
-    store = RolloutStore.open(path)
-    t0 = time.perf_counter()
-    r = store.append(proxy_batches(a.rollouts, seed=a.seed, mean_completion_tokens=256))
-    dt = time.perf_counter() - t0
-    print(
-        f"wrote {r.rows} seeded proxy rollouts to {path} in {dt:.1f}s (store version {r.version})\n"
-    )
-    print_stats(store.stats())
-    query = (
-        "SELECT policy_version, count(*) AS rollouts, round(avg(reward), 3) AS reward, "
-        "round(avg(num_completion_tokens)) AS mean_len FROM rollouts "
-        "WHERE reward > ? GROUP BY 1 ORDER BY 1"
-    )
-    print(f"\nexample query (parameter 0.5):\n  {query}\n")
-    print(format_table(store.sql(query, [0.5])))
-    print(f'\nnext: rolloutstore sql {path} "SELECT * FROM groups LIMIT 5"')
-
-
 def build_parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="rolloutstore", description="Disk-backed rollout store for LLM RL.")
     ap.add_argument("--debug", action="store_true", help="show tracebacks of errors")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    _add_fill_commands(sub)
+    add_fill_commands(sub)  # init, ingest: cli_ingest.py
     _add_query_commands(sub)
-    _add_maintenance_commands(sub)
+    add_maintenance_commands(sub)  # stats ... demo: cli_maintain.py
 
     from .plugins import COMMANDS, load
 
@@ -385,70 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-# The subcommands' arguments, by group (argparse declarations: long, but flat).
-def _add_fill_commands(sub) -> None:
-
-    p = sub.add_parser("init", help="create an empty store")
-    p.add_argument("store")
-    p.add_argument("--embedding-dim", type=int, default=None, help="fixed at creation (default 64)")
-    p.set_defaults(func=cmd_init)
-
-    p = sub.add_parser(
-        "ingest", help="append JSONL / JSONL.zst / Parquet files (one commit per file)"
-    )
-    p.add_argument("store")
-    p.add_argument("files", nargs="+")
-    p.add_argument("--map", action="append", default=[], metavar="SRC=DEST", help="rename a field")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
-    p.add_argument(
-        "--on-duplicate",
-        choices=["error", "skip"],
-        default="error",
-        help="a rollout_id already stored: refuse the file (error) or leave the row out (skip)",
-    )
-    g = p.add_argument_group("text rollouts from other frameworks (rolloutstore.interop)")
-    g.add_argument(
-        "--from",
-        dest="source",
-        choices=["verl", "trl", "openai"],
-        default=None,
-        help="verl rollout_data_dir JSONL, TRL completions parquet, OpenAI chat JSONL",
-    )
-    g.add_argument(
-        "--score-with",
-        default=None,
-        metavar="MODEL_DIR",
-        help="recompute behaviour log-probs teacher-forced with this model",
-    )
-    g.add_argument(
-        "--tokenizer", default=None, metavar="DIR", help="tokenizer folder (default: --score-with)"
-    )
-    g.add_argument(
-        "--chat-template",
-        action="store_true",
-        help="render text prompts as one user turn (messages always are)",
-    )
-    g.add_argument(
-        "--advantages",
-        choices=["grpo", "drgrpo", "none"],
-        default="grpo",
-        help="for rows without one: from the group's rewards, or none (null)",
-    )
-    g.add_argument("--ignore-unknown", action="store_true", help="drop fields the preset lacks")
-    g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature used")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus threshold used")
-    g.add_argument("--top-k", type=int, default=0, help="top-k used (0: none)")
-    g.add_argument(
-        "--policy-version",
-        type=int,
-        default=None,
-        help="for every row (default: from the file's step, else 0)",
-    )
-    g.add_argument("--run-id", default=None, help="run_id for every row")  # fmt: skip
-    p.set_defaults(func=cmd_ingest)
-
-
 def _add_query_commands(sub) -> None:
+    """``sql``, ``export`` and ``sample`` (argparse declarations: long, but flat)."""
     p = sub.add_parser("sql", help="run a DuckDB query over views rollouts, usage, groups")
     p.add_argument("store")
     p.add_argument("query")
@@ -515,55 +269,6 @@ def _add_query_commands(sub) -> None:
     p.set_defaults(func=cmd_sample)
 
 
-def _add_maintenance_commands(sub) -> None:
-    p = sub.add_parser("stats", help="rows, tokens, bytes/token, versions, rewards, reuse")
-    p.add_argument("store")
-    p.add_argument("--json", action="store_true")
-    p.set_defaults(func=cmd_stats)
-
-    p = sub.add_parser("versions", help="list store versions")
-    p.add_argument("store")
-    p.set_defaults(func=cmd_versions)
-
-    p = sub.add_parser("compact", help="merge small fragments; optionally drop old versions")
-    p.add_argument("store")
-    p.add_argument("--cleanup-older-than-hours", type=float, default=None)
-    p.set_defaults(func=cmd_compact)
-
-    p = sub.add_parser("gc", help="remove files killed appends/exports left that no version uses")
-    p.add_argument("store")
-    p.add_argument("--min-age-hours", type=float, default=1.0, help="only files older than this")
-    p.add_argument("--exports", nargs="*", default=[], metavar="DIR", help="export folders")
-    p.add_argument("--dry-run", action="store_true", help="list, remove nothing")
-    p.set_defaults(func=cmd_gc)
-
-    p = sub.add_parser("evict", help="delete rows by an explicit retention rule")
-    p.add_argument("store")
-    p.add_argument("--keep", type=int, default=None, help="keep the N most recent rollouts")
-    p.add_argument("--older-than-hours", type=float, default=None)
-    p.add_argument("--min-policy-version", type=int, default=None)
-    p.add_argument(
-        "--preserve-diversity",
-        action="store_true",
-        help="with --keep: spend a reserved share of N on older rows of prompts, embedding "
-        "clusters and correct answers the newest rows miss; prints coverage vs FIFO",
-    )
-    from .cliargs import add_dataclass_args
-    from .retention import RetentionConfig
-
-    add_dataclass_args(p, RetentionConfig)
-    p.set_defaults(func=cmd_evict)
-
-    p = sub.add_parser("schema", help="print the rollout schema")
-    p.set_defaults(func=cmd_schema)
-
-    p = sub.add_parser("demo", help="write seeded proxy rollouts and show stats and a query")
-    p.add_argument("run_dir", nargs="?", default="runs/demo")
-    p.add_argument("--rollouts", type=int, default=4096)
-    p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(func=cmd_demo)
-
-
 def _timeout_arg(p: argparse.ArgumentParser) -> None:
     from .sql import DEFAULT_TIMEOUT
 
@@ -579,7 +284,7 @@ def _timeout_arg(p: argparse.ArgumentParser) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Run one command; user errors print ``error: ...`` (one line) and return 2."""
     from .errors import QueryInterrupted
-    from .sql import sigint_interrupts
+    from .query_limits import sigint_interrupts
 
     argv = sys.argv[1:] if argv is None else list(argv)
     debug = "--debug" in argv or os.environ.get("ROLLOUTSTORE_DEBUG") == "1"

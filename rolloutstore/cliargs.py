@@ -1,4 +1,5 @@
-"""Build argparse options from a frozen config dataclass, so the CLI and the config agree."""
+"""Helpers the CLI modules share: argparse options built from a frozen config dataclass (so
+the CLI and the config agree), scalar ``--param`` values, and opening the store argument."""
 
 from __future__ import annotations
 
@@ -16,6 +17,13 @@ def parse_scalar(s: str) -> Any:
         except ValueError:
             pass
     return s
+
+
+def open_store(path: str, *, create: bool = False):
+    """The store a command names (``RolloutStore.open``)."""
+    from .store import RolloutStore
+
+    return RolloutStore.open(path, create=create)
 
 
 def _unwrap_optional(tp):

@@ -40,6 +40,9 @@ of ``{"role", "content"}`` turns and ``sft`` adds ``messages`` (prompt turns + c
 placeholders, and must be one boolean expression over the store's columns
 (:func:`rolloutstore.sql.check_where`). ``timeout`` (seconds) interrupts a query
 that runs longer. ``out`` may not lie inside a store folder (:func:`check_output_path`).
+
+This module checks the options and streams rows to files; the shapes' columns, output
+schema and queries live in :mod:`rolloutstore.export_shapes`.
 """
 
 from __future__ import annotations
@@ -61,9 +64,20 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .errors import ExportError, MissingDependencyError, OutputPathError, QueryError
-from .sql import check_where, limits
+from .export_shapes import (
+    DPO_COLUMNS,
+    SFT_COLUMNS,
+    ExportShape,
+    ShapedQuery,
+    chat_batch,
+    shape_query,
+)
+from .query_limits import limits
+from .sql import check_where
 
 __all__ = [
+    "DPO_COLUMNS",
+    "SFT_COLUMNS",
     "ExportError",
     "ExportResult",
     "MissingDependencyError",
@@ -77,45 +91,11 @@ if TYPE_CHECKING:
     from .store import RolloutStore
 
 ExportFormat = Literal["parquet", "jsonl", "jsonl.zst", "hf"]
-ExportShape = Literal["rollouts", "sft", "dpo"]
 
 FORMATS: tuple[str, ...] = get_args(ExportFormat)
 SHAPES: tuple[str, ...] = get_args(ExportShape)
 DEFAULT_MIN_MARGIN = 0.5
 BATCH_ROWS = 4096
-
-# Output columns in TRL's dataset names (trl docs, "Dataset formats and types": prompt-completion
-# {"prompt", "completion"}, preference {"prompt", "chosen", "rejected"}, conversational
-# language modeling {"messages"}); the rest are extra columns TRL's trainers drop.
-# SFT output column -> store column.
-SFT_COLUMNS: dict[str, str] = {
-    "prompt": "prompt_text",
-    "completion": "completion_text",
-    "prompt_ids": "prompt_ids",
-    "completion_ids": "completion_ids",
-    "reward": "reward",
-    "prompt_id": "prompt_id",
-    "rollout_id": "rollout_id",
-}
-# DPO output column -> (alias, store column): alias "c" is the chosen row, "j" the rejected one.
-DPO_COLUMNS: dict[str, tuple[str, str]] = {
-    "prompt": ("c", "prompt_text"),
-    "chosen": ("c", "completion_text"),
-    "rejected": ("j", "completion_text"),
-    "prompt_id": ("c", "prompt_id"),
-    "group_id": ("c", "group_id"),
-    "prompt_ids": ("c", "prompt_ids"),
-    "chosen_ids": ("c", "completion_ids"),
-    "chosen_reward": ("c", "reward"),
-    "rejected_ids": ("j", "completion_ids"),
-    "rejected_reward": ("j", "reward"),
-}
-# Conversational rows (their metadata JSON holds the prompt turns under "messages", as
-# `ingest --from trl|openai` writes for chat prompts): these columns become lists of
-# {"role", "content"} turns, and sft adds "messages" (prompt turns + the completion).
-MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string())])
-CHAT_COLUMNS = ("prompt", "completion", "chosen", "rejected", "messages")
-_TURNS = "__turns"  # the query's extra column: metadata's "messages" as JSON text
 
 
 @dataclass(frozen=True)
@@ -170,109 +150,6 @@ def _remove_stale_temps(parent: str, name: str) -> None:
         else:
             with contextlib.suppress(OSError):
                 os.remove(stale)
-
-
-# -- queries ---------------------------------------------------------------------------------
-def _quote(name: str) -> str:
-    # Only ever called with names from the store schema or our fixed output columns.
-    return '"' + name.replace('"', '""') + '"'
-
-
-def _check_columns(columns: Sequence[str] | None, allowed: Sequence[str], shape: str) -> list[str]:
-    if columns is None:
-        return list(allowed)
-    cols = [c.strip() for c in columns if c.strip()]
-    if not cols:
-        raise ExportError("--columns is empty; expected a comma-separated list of column names")
-    unknown = [c for c in cols if c not in allowed]
-    if unknown:
-        raise ExportError(
-            f"unknown column(s) {', '.join(map(repr, unknown))} for --as {shape}; "
-            f"expected some of: {', '.join(allowed)}"
-        )
-    if len(set(cols)) != len(cols):
-        raise ExportError(f"--columns names a column twice: {', '.join(cols)}")
-    return cols
-
-
-def _output_schema(
-    store_schema: pa.Schema, shape: ExportShape, cols: list[str], chat: bool = False
-) -> pa.Schema:
-    if chat:
-        fields = [
-            pa.field(c, pa.list_(MESSAGE))
-            if c in CHAT_COLUMNS
-            else _output_schema(store_schema, shape, [c]).field(c)
-            for c in cols
-        ]
-    elif shape == "dpo":
-        fields = [
-            store_schema.field(DPO_COLUMNS[c][1]).with_name(c).with_nullable(True) for c in cols
-        ]
-    elif shape == "sft":
-        fields = [store_schema.field(SFT_COLUMNS[c]).with_name(c) for c in cols]
-    else:
-        fields = [store_schema.field(c) for c in cols]
-    meta = {k: v for k, v in (store_schema.metadata or {}).items()}
-    meta[b"rolloutstore.export"] = shape.encode()
-    return pa.schema(fields, metadata=meta)
-
-
-def _build_query(
-    shape: ExportShape,
-    cols: list[str],
-    where: str | None,
-    min_reward: float | None,
-    chat: bool = False,
-) -> tuple[str, str]:
-    """(query, count_query); both take the where's params first, then the shape's."""
-    filt = f"WHERE ({where})" if where is not None else ""
-    base = f"SELECT * FROM rollouts {filt}"
-    if shape == "rollouts":
-        select = ", ".join(_quote(c) for c in cols)
-        return (
-            f"SELECT {select} FROM rollouts {filt}",
-            f"SELECT count(*) FROM rollouts {filt}",
-        )
-    turns = f", json_extract(r.metadata, '$.messages')::VARCHAR AS {_TURNS}" if chat else ""
-    if shape == "sft":
-        select = ", ".join(
-            f"r.{_quote(SFT_COLUMNS[c])} AS {_quote(c)}" for c in cols if c != "messages"
-        )
-        if chat and "messages" in cols and "completion" not in cols:
-            select += (", " if select else "") + 'r."completion_text" AS "completion"'
-        select += turns
-        if min_reward is None:
-            body = (
-                f"WITH r AS ({base}), "
-                "best AS (SELECT prompt_id, max(reward) AS top FROM r "
-                "WHERE reward IS NOT NULL GROUP BY prompt_id) "
-                f"SELECT {select} FROM r JOIN best ON r.prompt_id = best.prompt_id "
-                "AND r.reward = best.top"
-            )
-        else:
-            body = f"WITH r AS ({base}) SELECT {select} FROM r WHERE r.reward >= ?"
-        return body + " ORDER BY r.prompt_id, r.rollout_id", f"SELECT count(*) FROM ({body})"
-    select = ", ".join(
-        f"{side}.{_quote(src)} AS {_quote(name)}"
-        for name, (side, src) in DPO_COLUMNS.items()
-        if name in cols
-    ) + turns.replace("r.metadata", "c.metadata")
-    body = (
-        f"WITH r AS ({base}), "
-        "k AS (SELECT group_id, rollout_id, reward, "
-        "row_number() OVER (PARTITION BY group_id ORDER BY reward DESC, rollout_id) AS hi, "
-        "row_number() OVER (PARTITION BY group_id ORDER BY reward ASC, rollout_id) AS lo, "
-        "count(*) OVER (PARTITION BY group_id) AS n "
-        "FROM r WHERE reward IS NOT NULL), "
-        "p AS (SELECT ch.group_id, ch.rollout_id AS chosen, rj.rollout_id AS rejected "
-        "FROM k AS ch JOIN k AS rj ON ch.group_id = rj.group_id "
-        "WHERE ch.hi = 1 AND rj.lo = 1 AND ch.n >= 2 "
-        "AND ch.reward::DOUBLE - rj.reward::DOUBLE >= ?) "
-        f"SELECT {select} FROM p JOIN r AS c ON c.rollout_id = p.chosen "
-        "JOIN r AS j ON j.rollout_id = p.rejected"
-    )
-    return body + " ORDER BY p.group_id", f"SELECT count(*) FROM ({body})"
 
 
 def _check_number(name: str, value: float | None) -> float | None:
@@ -379,9 +256,21 @@ def export(
     the extension is refused. ``min_reward`` applies to ``sft`` only,
     ``min_margin`` (default 0.5) to ``dpo`` only. Returns the rows written and the path.
     """
-    from tqdm.auto import tqdm
-
     path = check_output_path(out, what="export output")
+    format = _resolve_format(path, format)
+    min_reward, min_margin = _check_shape_options(as_, min_reward, min_margin)
+    if where is not None:
+        where = check_where(where, store.schema.names, n_params=len(params or []))
+    elif params:
+        raise QueryError(f"{len(params)} params given but no --where to bind them to")
+    shaped = shape_query(store, as_, columns, where, params, min_reward, min_margin, timeout)
+    parent = _prepare_target(path, format)
+    return ExportResult(_write(store, shaped, path, format, parent, progress, timeout), path)
+
+
+def _resolve_format(path: str, format: ExportFormat | None) -> ExportFormat:
+    """``format``, or the one ``path``'s extension implies (else parquet); a contradiction
+    between the two is refused."""
     implied = _implied_format(path)
     if format is None:
         format = implied or "parquet"
@@ -392,6 +281,13 @@ def export(
             f"{path!r} names a {implied} file but format is {format!r}; "
             "make the extension match or drop one of them"
         )
+    return format
+
+
+def _check_shape_options(
+    as_: str, min_reward: float | None, min_margin: float | None
+) -> tuple[float | None, float | None]:
+    """The shape and its thresholds checked; ``dpo``'s ``min_margin`` defaulted."""
     if as_ not in SHAPES:
         raise ExportError(f"unknown --as {as_!r}; expected one of {', '.join(SHAPES)}")
     min_reward = _check_number("min_reward", min_reward)
@@ -404,36 +300,12 @@ def export(
         raise ExportError(f"--min-margin must be >= 0, found {min_margin}")
     if as_ == "dpo" and min_margin is None:
         min_margin = DEFAULT_MIN_MARGIN
-    if where is not None:
-        where = check_where(where, store.schema.names, n_params=len(params or []))
-    elif params:
-        raise QueryError(f"{len(params)} params given but no --where to bind them to")
+    return min_reward, min_margin
 
-    allowed = {
-        "rollouts": store.schema.names,
-        "sft": [*SFT_COLUMNS, "messages"],
-        "dpo": list(DPO_COLUMNS),
-    }
-    cols = _check_columns(columns, allowed[as_], as_)
-    chat = as_ != "rollouts" and _all_chat(store, where, params, timeout)
-    if as_ == "sft" and columns is None:  # messages only for conversational rows
-        cols.remove("messages")
-        if chat:
-            cols.insert(2, "messages")
-    if "messages" in cols and not chat:
-        raise ExportError(
-            "--columns messages needs conversational rows (metadata with the prompt's "
-            '"messages", as `ingest --from trl|openai` writes for chat prompts); found rows '
-            "without them"
-        )
-    schema = _output_schema(store.schema, as_, cols, chat)
-    query, count_query = _build_query(as_, cols, where, min_reward, chat)
-    args = list(params or [])
-    if as_ == "sft" and min_reward is not None:
-        args.append(min_reward)
-    elif as_ == "dpo":
-        args.append(min_margin)
 
+def _prepare_target(path: str, format: ExportFormat) -> str:
+    """Refuse a non-empty ``hf`` folder, create the parent folder and clear killed exports'
+    temps there; returns the parent folder."""
     if format == "hf" and os.path.isdir(path) and os.listdir(path):
         raise ExportError(
             f"{path} exists and is not empty; expected a new folder for --format hf "
@@ -443,7 +315,23 @@ def export(
     os.makedirs(parent, exist_ok=True)
 
     _remove_stale_temps(parent, Path(path).name)
+    return parent
 
+
+def _write(
+    store: RolloutStore,
+    plan: ShapedQuery,
+    path: str,
+    format: ExportFormat,
+    parent: str,
+    progress: bool,
+    timeout: float | None,
+) -> int:
+    """Stream ``plan``'s rows into a temp output in ``parent``, then rename it to ``path``;
+    returns the rows written."""
+    from tqdm.auto import tqdm
+
+    schema, args = plan.schema, plan.args
     con = store.connect()
     tmp = os.path.join(parent, f".{Path(path).name}.tmp-{os.getpid()}")
     rows = 0
@@ -451,18 +339,18 @@ def export(
     try:
         # One deadline for the count and the whole stream.
         with limits(con, timeout):
-            total = con.sql(count_query, params=args or None).fetchall()[0][0]
-            reader = con.sql(query, params=args or None).to_arrow_reader(BATCH_ROWS)
-            bar = tqdm(total=total, unit="rows", desc=f"export {as_}", disable=not progress,
-                       leave=False)  # fmt: skip
+            total = con.sql(plan.count_query, params=args or None).fetchall()[0][0]
+            reader = con.sql(plan.query, params=args or None).to_arrow_reader(BATCH_ROWS)
+            bar = tqdm(total=total, unit="rows", desc=f"export {plan.shape}",
+                       disable=not progress, leave=False)  # fmt: skip
 
             def batches() -> Iterator[pa.RecordBatch]:
                 nonlocal rows
                 for b in reader:
                     if b.num_rows == 0:
                         continue
-                    if chat:
-                        b = _chat_batch(b, schema, as_)
+                    if plan.chat:
+                        b = chat_batch(b, schema, plan.shape)
                     b = pa.Table.from_batches([b]).rename_columns(schema.names).cast(schema)
                     for part in b.to_batches():
                         rows += part.num_rows
@@ -485,44 +373,7 @@ def export(
             bar.close()
         con.close()
         _remove(tmp)
-    return ExportResult(rows, path)
-
-
-def _all_chat(store: RolloutStore, where: str | None, params, timeout: float | None) -> bool:
-    """Whether every (filtered) row is conversational: its metadata holds prompt turns."""
-    filt = f"WHERE ({where})" if where is not None else ""
-    con = store.connect()
-    try:
-        with limits(con, timeout):
-            n, chat = con.sql(
-                "SELECT count(*), count(*) FILTER "
-                f"(WHERE json_type(metadata, '$.messages') = 'ARRAY') FROM rollouts {filt}",
-                params=list(params or []) or None,
-            ).fetchall()[0]
-    except duckdb.Error as exc:
-        raise QueryError(f"export query failed: {type(exc).__name__}: {exc}") from exc
-    finally:
-        con.close()
-    return n > 0 and n == chat
-
-
-def _chat_batch(b: pa.RecordBatch, schema: pa.Schema, shape: ExportShape) -> pa.RecordBatch:
-    """Text columns as turns: prompt = the stored turns, completions = one assistant turn."""
-    rows = b.to_pylist()
-    out: dict[str, list] = {name: [] for name in schema.names}
-    for r in rows:
-        turns = [{"role": m.get("role"), "content": m.get("content")}
-                 for m in json.loads(r.pop(_TURNS))]  # fmt: skip
-        for name in schema.names:
-            if name == "prompt":
-                out[name].append(turns)
-            elif name in ("completion", "chosen", "rejected"):
-                out[name].append([{"role": "assistant", "content": r[name]}])
-            elif name == "messages":
-                out[name].append([*turns, {"role": "assistant", "content": r["completion"]}])
-            else:
-                out[name].append(r[name])
-    return pa.RecordBatch.from_pydict(out, schema=schema)
+    return rows
 
 
 def _remove(tmp: str) -> None:

@@ -15,16 +15,18 @@ Local stores only (on an object store, use a bucket lifecycle rule on ``data/``)
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 
 import lance
 
 from .errors import CorruptStoreError
+from .layout import LINEAGE, REWARDS, ROLLOUTS, USAGE, exists, is_local, join
 
 DEFAULT_MIN_AGE = timedelta(hours=1)
 EXPORT_TMP = re.compile(r"^\..+\.tmp-(\d+)$")
@@ -146,3 +148,53 @@ def merge(results: Iterable[GcResult]) -> GcResult:
             out.versions_checked + r.versions_checked,
         )
     return out
+
+
+def collect_store(
+    uri: str,
+    storage_options: dict | None,
+    *,
+    min_age: timedelta = DEFAULT_MIN_AGE,
+    exports: Sequence[str | os.PathLike] = (),
+    dry_run: bool = False,
+) -> GcResult:
+    """Collect every dataset of the store at ``uri`` and the export temps in ``exports``;
+    see :meth:`RolloutStore.gc`."""
+    if not is_local(uri):
+        raise ValueError(
+            f"gc works on local stores; {uri!r} is an object store: expire "
+            "unreferenced data/ files with a bucket lifecycle rule instead"
+        )
+    results = [
+        collect_dataset(
+            lance.dataset(join(uri, name), storage_options=storage_options),
+            min_age=min_age,
+            dry_run=dry_run,
+        )
+        for name in (ROLLOUTS, USAGE, REWARDS, LINEAGE)
+        if exists(join(uri, name), storage_options)
+    ]
+    results.append(collect_export_temps(exports, min_age=min_age, dry_run=dry_run))
+    return merge(results)
+
+
+def references_any(uri: str, storage_options: dict | None, fragments: list) -> bool:
+    """Whether the latest rollouts version of the store at ``uri`` references a file of
+    ``fragments`` (True when it cannot tell: keep the files then)."""
+    ours = {f.path for frag in fragments for f in frag.files}
+    try:
+        latest = lance.dataset(join(uri, ROLLOUTS), storage_options=storage_options)
+        return any(f.path in ours for fr in latest.get_fragments() for f in fr.metadata.files)
+    except (OSError, ValueError, RuntimeError):
+        return True  # cannot tell: keep the files (gc collects them if unreferenced)
+
+
+def discard_fragments(uri: str, fragments: list) -> None:
+    """Remove the data files of uncommitted rollouts ``fragments`` now (local stores)."""
+    if not is_local(uri):
+        return
+    data = os.path.join(uri.removeprefix("file://"), ROLLOUTS, "data")
+    for frag in fragments:
+        for f in frag.files:
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(data, f.path))

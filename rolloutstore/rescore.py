@@ -184,8 +184,6 @@ def _score(scorer: Scorer, advantage_fn: AdvantageFn, table: pa.Table) -> dict[s
     return {"rewards": np.asarray(rewards, np.float32), "advantages": adv, "infos": infos}
 
 
-# Long by design: check, stream every group through the scorer into uncommitted fragments,
-# then one commit; kept in one function so the single commit boundary stays visible.
 def rescore(
     store: RolloutStore,
     scorer: Any,
@@ -204,15 +202,12 @@ def rescore(
     ``advantage_fn(rewards, group_ids)``: group advantages of the new rewards (default:
     the one a plugin-resolved task brings; ``advantage_mode`` is passed to that plugin).
     """
-    from .sql import check_where, run
+    from .sql import run
 
+    # Check, stream every group through the scorer into uncommitted fragments, then one
+    # commit (the single commit boundary stays visible here).
     store.check_writable()
-    if where is not None:
-        columns = [*store.schema.names, "reward_version"]
-        where = check_where(where, columns, n_params=len(params or []))
-    params = list(params or [])
-    if where is None and params:
-        raise RescoreError(f"{len(params)} --param value(s) given without --where")
+    where, params = _check_filter(store, where, params)
     resolved = resolve_scorer(scorer, task_options, advantage_mode)
     advantage_fn = advantage_fn or resolved.advantage_fn
     if advantage_fn is None:
@@ -238,40 +233,100 @@ def rescore(
     newest = run(con, "SELECT max(reward_version) AS v FROM rewards")["v"][0].as_py()
     version = (newest or 0) + 1
     reader = con.sql(sql, params=bound).to_arrow_reader(BATCH_ROWS)
-    sch = S.table_schema("rewards")
-    target = store.uri.rstrip("/") + "/rewards.lance"
     scorer_json = json.dumps(
         {"task": name, "options": task_options or {}, "advantage_mode": advantage_mode,
          **resolved.spec},
         sort_keys=True,
         default=str,
     )  # fmt: skip
-    now = datetime.now(UTC)
-    fragments, n_rows, n_groups, changed = [], 0, 0, 0
-    sum_before, n_before, sum_after = 0.0, 0, 0.0
+    meta = {"version": version, "task": name, "scorer": scorer_json, "note": note}
     bar = _bar(total, progress)
     try:
-        for part in _groups(reader):
-            scored = _score(resolved, advantage_fn, part)
-            old = part["reward"].to_numpy(zero_copy_only=False).astype(np.float64)
-            new = scored["rewards"]
-            known = ~np.isnan(old)
-            sum_before += float(old[known].sum())
-            n_before += int(known.sum())
-            sum_after += float(new.astype(np.float64).sum())
-            changed += int(np.sum(~known | (old != new)))
-            n = part.num_rows
-            meta = {"version": version, "task": name, "scorer": scorer_json, "note": note}
-            table = _version_rows(part, scored, sch, created_at=now, **meta)
-            fragments += write_fragments(
-                table, target, schema=sch, storage_options=store.storage_options
-            )
-            n_rows += n
-            n_groups += len(set(part["group_id"].to_pylist()))
-            bar.update(n)
+        fragments, tally = _write_fragments(store, reader, resolved, advantage_fn, meta, bar)
     finally:
         bar.close()
-    # One commit for the whole re-scoring: until here nothing is visible.
+    _commit(store, rewards_ds, fragments)
+    return tally.result(version)
+
+
+def _check_filter(
+    store: RolloutStore, where: str | None, params: Sequence | None
+) -> tuple[str | None, list]:
+    """``where`` checked (a filter over ``rollouts_scored``) and its ``params`` as a list."""
+    from .sql import check_where
+
+    if where is not None:
+        columns = [*store.schema.names, "reward_version"]
+        where = check_where(where, columns, n_params=len(params or []))
+    params = list(params or [])
+    if where is None and params:
+        raise RescoreError(f"{len(params)} --param value(s) given without --where")
+    return where, params
+
+
+@dataclass
+class _Tally:
+    """Running totals of a re-scoring, for its :class:`RescoreResult`."""
+
+    rows: int = 0
+    groups: int = 0
+    changed: int = 0
+    sum_before: float = 0.0
+    n_before: int = 0
+    sum_after: float = 0.0
+
+    def add(self, part: pa.Table, new: np.ndarray) -> None:
+        """Count the scored ``part`` whose new rewards are ``new``."""
+        old = part["reward"].to_numpy(zero_copy_only=False).astype(np.float64)
+        known = ~np.isnan(old)
+        self.sum_before += float(old[known].sum())
+        self.n_before += int(known.sum())
+        self.sum_after += float(new.astype(np.float64).sum())
+        self.changed += int(np.sum(~known | (old != new)))
+        self.rows += part.num_rows
+        self.groups += len(set(part["group_id"].to_pylist()))
+
+    def result(self, version: int) -> RescoreResult:
+        return RescoreResult(
+            rows=self.rows,
+            groups=self.groups,
+            reward_version=version,
+            mean_before=self.sum_before / self.n_before if self.n_before else None,
+            mean_after=self.sum_after / self.rows,
+            changed=self.changed,
+        )
+
+
+def _write_fragments(
+    store: RolloutStore,
+    reader: pa.RecordBatchReader,
+    scorer: Scorer,
+    advantage_fn: AdvantageFn,
+    meta: dict[str, Any],
+    bar,
+) -> tuple[list, _Tally]:
+    """Score every group ``reader`` yields and write its rows under ``meta["version"]`` as
+    uncommitted fragments of the rewards table; returns them and the totals."""
+    sch = S.table_schema("rewards")
+    target = store.uri.rstrip("/") + "/rewards.lance"
+    now = datetime.now(UTC)
+    fragments: list = []
+    tally = _Tally()
+    for part in _groups(reader):
+        scored = _score(scorer, advantage_fn, part)
+        tally.add(part, scored["rewards"])
+        table = _version_rows(part, scored, sch, created_at=now, **meta)
+        fragments += write_fragments(
+            table, target, schema=sch, storage_options=store.storage_options
+        )
+        bar.update(part.num_rows)
+    return fragments, tally
+
+
+def _commit(store: RolloutStore, rewards_ds: Any, fragments: list) -> None:
+    """One commit for the whole re-scoring: until here nothing is visible."""
+    sch = S.table_schema("rewards")
+    target = store.uri.rstrip("/") + "/rewards.lance"
     if isinstance(rewards_ds, lance.LanceDataset):
         op = lance.LanceOperation.Append(fragments)
         read_version = rewards_ds.version
@@ -280,14 +335,6 @@ def rescore(
         read_version = None
     lance.LanceDataset.commit(
         target, op, read_version=read_version, storage_options=store.storage_options
-    )
-    return RescoreResult(
-        rows=n_rows,
-        groups=n_groups,
-        reward_version=version,
-        mean_before=sum_before / n_before if n_before else None,
-        mean_after=sum_after / n_rows,
-        changed=changed,
     )
 
 

@@ -11,6 +11,11 @@ not at all, and concurrent appenders from several processes are serialised by
 Lance's commit protocol. A store object pickles as (URI, pinned version,
 storage options) and reopens its datasets after a fork.
 
+This module owns opening and appending; it delegates the dataset layout to
+:mod:`rolloutstore.layout`, the usage/lineage/rewards tables to
+:mod:`rolloutstore.side_tables`, compaction and torn-manifest recovery to
+:mod:`rolloutstore.maintenance`, and garbage collection to :mod:`rolloutstore.gc`.
+
     from rolloutstore import RolloutStore
     store = RolloutStore.open("runs/demo/store")
     store.append([{"prompt_ids": [1, 2], "completion_ids": [3], "behavior_logprobs": [-0.1],
@@ -20,13 +25,10 @@ storage options) and reopens its datasets after a fork.
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import os
-import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 import lance
@@ -34,25 +36,15 @@ import numpy as np
 import pyarrow as pa
 from lance.fragment import write_fragments
 
+from . import layout, maintenance, side_tables
 from . import schema as S
-from .errors import (
-    CorruptStoreError,
-    DiskFullError,
-    ReadOnlyError,
-    SchemaError,
-    StoreNotFoundError,
-    ValidationError,
-)
-from .gc import DEFAULT_MIN_AGE, GcResult, collect_dataset, collect_export_temps, merge
+from .errors import DiskFullError, ReadOnlyError, SchemaError, StoreNotFoundError, ValidationError
+from .gc import DEFAULT_MIN_AGE, GcResult, collect_store, discard_fragments, references_any
+from .layout import ROLLOUTS, USAGE, disk_full, exists, is_local, join
 from .retention import RetentionConfig, RetentionReport
+from .side_tables import USAGE_MAX_FRAGMENTS  # noqa: F401  (imported from here by tests)
 from .unique import IdCheck, OnDuplicate, gives_ids
-from .validate import prepare
-
-ROLLOUTS = "rollouts.lance"
-USAGE = "usage.lance"
-USAGE_MAX_FRAGMENTS = 64
-LINEAGE = "lineage.lance"
-REWARDS = "rewards.lance"
+from .validate import chunks, prepare
 
 
 @dataclass(frozen=True)
@@ -69,24 +61,6 @@ class EvictResult:
     version: int
     # Set by evict(preserve_diversity=...): coverage before/after, and what FIFO would keep.
     coverage: RetentionReport | None = None
-
-
-def _join(root: str, name: str) -> str:
-    return root.rstrip("/") + "/" + name
-
-
-def _is_local(uri: str) -> bool:
-    return "://" not in uri or uri.startswith("file://")
-
-
-def _exists(uri: str, storage_options: dict | None) -> bool:
-    if _is_local(uri):
-        return os.path.isdir(os.path.join(uri.removeprefix("file://"), "_versions"))
-    try:
-        lance.dataset(uri, storage_options=storage_options)
-        return True
-    except (ValueError, OSError, FileNotFoundError):
-        return False
 
 
 class RolloutStore:
@@ -108,9 +82,11 @@ class RolloutStore:
         try:
             ds = self._rollouts()
         except (OSError, ValueError, RuntimeError) as exc:
-            if version is not None or not _is_local(self.uri):
+            if version is not None or not is_local(self.uri):
                 raise
-            ds = self._fall_back(exc)
+            # A torn newest manifest: the newest readable version, read-only, one warning.
+            ds, good, bad = maintenance.open_newest_readable(self.uri, self._open_ds, exc)
+            self._pinned, self._ds_cache, self._torn = good, ds, (bad, good)
         _, self.embedding_dim = S.read_metadata(ds.schema)
         self.schema = S.rollout_schema(self.embedding_dim)
 
@@ -130,14 +106,14 @@ class RolloutStore:
         an existing store with a different one is an error.
         """
         uri = os.fspath(uri)
-        rollouts = _join(uri, ROLLOUTS)
-        if not _exists(rollouts, storage_options):
+        rollouts = join(uri, ROLLOUTS)
+        if not exists(rollouts, storage_options):
             if not create:
                 raise StoreNotFoundError(
                     f"no rollout store at {uri!r}; create one with `rolloutstore init {uri}` "
                     "or RolloutStore.open(uri, create=True)"
                 )
-            cls._create(uri, embedding_dim or S.DEFAULT_EMBEDDING_DIM, storage_options)
+            layout.create(uri, embedding_dim or S.DEFAULT_EMBEDDING_DIM, storage_options)
         store = cls(uri, storage_options=storage_options)
         if embedding_dim is not None and embedding_dim != store.embedding_dim:
             raise SchemaError(
@@ -145,57 +121,6 @@ class RolloutStore:
                 f"{embedding_dim}; the dimension is fixed when a store is created"
             )
         return store
-
-    @staticmethod
-    def _create(uri: str, embedding_dim: int, storage_options: dict | None) -> None:
-        if _is_local(uri):
-            os.makedirs(uri.removeprefix("file://"), exist_ok=True)
-        for name, sch in (
-            (ROLLOUTS, S.rollout_schema(embedding_dim)),
-            (USAGE, S.table_schema("usage")),
-        ):
-            target = _join(uri, name)
-            if _exists(target, storage_options):
-                continue
-            try:
-                lance.write_dataset(
-                    sch.empty_table(),
-                    target,
-                    schema=sch,
-                    mode="create",
-                    storage_options=storage_options,
-                )
-            except (OSError, ValueError) as exc:
-                # Another process created it first: fine, as long as it is there now.
-                if not _exists(target, storage_options):
-                    raise StoreNotFoundError(f"could not create {target!r}: {exc}") from exc
-
-    def _fall_back(self, exc: Exception) -> lance.LanceDataset:
-        """The newest version of rollouts cannot be opened (a torn manifest): open the newest
-        one that can, read-only, with one warning naming both."""
-        folder = os.path.join(self.uri.removeprefix("file://"), ROLLOUTS, "_versions")
-        versions = sorted(_manifest_versions(folder), reverse=True)
-        for v in versions[1:]:
-            try:
-                ds = self._open_ds(ROLLOUTS, v)
-            except (OSError, ValueError, RuntimeError):
-                continue
-            bad = versions[0]
-            self._pinned, self._ds_cache, self._torn = v, ds, (bad, v)
-            warnings.warn(
-                f"store {self.uri!r}: version {bad} of {ROLLOUTS} is unreadable "
-                f"({str(exc).splitlines()[0]}); opened version {v} read-only instead. Writes "
-                "are refused until it is repaired (RolloutStore.repair(), after checking "
-                "the disk)",
-                RuntimeWarning,
-                stacklevel=4,
-            )
-            return ds
-        raise CorruptStoreError(
-            f"no readable version of {_join(self.uri, ROLLOUTS)!r}: expected a manifest Lance "
-            f"can open, found {len(versions)} that fail ({str(exc).splitlines()[0]}); restore "
-            "the store from a copy"
-        ) from exc
 
     def repair(self) -> int | None:
         """Move unreadable manifests newer than the last good version aside (into
@@ -205,16 +130,7 @@ class RolloutStore:
         """
         if self._torn is None:
             return None
-        bad_from, good = self._torn
-        folder = os.path.join(self.uri.removeprefix("file://"), ROLLOUTS)
-        aside = os.path.join(folder, "_torn")
-        os.makedirs(aside, exist_ok=True)
-        for v, name in _manifest_versions(os.path.join(folder, "_versions")).items():
-            if v > good:
-                os.replace(os.path.join(folder, "_versions", name), os.path.join(aside, name))
-        hint = os.path.join(folder, "_versions", "latest_version_hint.json")
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(hint)
+        maintenance.move_torn_aside(self.uri, good=self._torn[1])
         self._pinned, self._torn, self._ds_cache = None, None, None
         return self.version
 
@@ -228,7 +144,7 @@ class RolloutStore:
     # -- datasets ------------------------------------------------------------------------
     def _open_ds(self, name: str, version: int | None = None) -> lance.LanceDataset:
         return lance.dataset(
-            _join(self.uri, name), version=version, storage_options=self.storage_options
+            join(self.uri, name), version=version, storage_options=self.storage_options
         )
 
     def _rollouts(self) -> lance.LanceDataset:
@@ -304,14 +220,14 @@ class RolloutStore:
         self.check_writable()
         if on_duplicate not in ("error", "skip"):
             raise ValueError(f"on_duplicate must be 'error' or 'skip', got {on_duplicate!r}")
-        target = _join(self.uri, ROLLOUTS)
+        target = join(self.uri, ROLLOUTS)
         read_version = self._rollouts().version
         ids = IdCheck(lambda: self._open_ds(ROLLOUTS), on_duplicate)
         fragments: list = []
         rows = seen = 0
         committing = False
         try:
-            for chunk in _chunks(data):
+            for chunk in chunks(data):
                 given = gives_ids(chunk)
                 try:
                     table = prepare(chunk, self.schema, unique_ids=False)
@@ -346,30 +262,13 @@ class RolloutStore:
             # Uncommitted fragments are invisible but take disk; drop them now (gc() catches
             # what a killed process leaves) -- unless a failed commit got far enough to
             # reference them.
-            if not (committing and self._references_any(fragments)):
-                self._discard(fragments)
-            if isinstance(exc, OSError) and _disk_full(exc):
+            if not (committing and references_any(self.uri, self.storage_options, fragments)):
+                discard_fragments(self.uri, fragments)
+            if isinstance(exc, OSError) and disk_full(exc):
                 raise DiskFullError(f"append of {seen} rows", self.uri) from exc
             raise
         self._ds_cache = ds
         return AppendResult(rows, ds.version, ids.skipped)
-
-    def _references_any(self, fragments: list) -> bool:
-        ours = {f.path for frag in fragments for f in frag.files}
-        try:
-            latest = self._open_ds(ROLLOUTS)
-            return any(f.path in ours for fr in latest.get_fragments() for f in fr.metadata.files)
-        except (OSError, ValueError, RuntimeError):
-            return True  # cannot tell: keep the files (gc collects them if unreferenced)
-
-    def _discard(self, fragments: list) -> None:
-        if not _is_local(self.uri):
-            return
-        data = os.path.join(self.uri.removeprefix("file://"), ROLLOUTS, "data")
-        for frag in fragments:
-            for f in frag.files:
-                with contextlib.suppress(OSError):
-                    os.remove(os.path.join(data, f.path))
 
     def record_usage(
         self, rollout_ids: Sequence[str], learner_step: int, run_id: str = "default"
@@ -378,30 +277,9 @@ class RolloutStore:
 
         Allowed on a read-only snapshot too: usage is its own append-only log.
         """
-        n = len(rollout_ids)
-        if n == 0:
-            return 0
-        now = datetime.now(UTC)
-        sch = S.table_schema("usage")
-        table = pa.table(
-            {
-                "rollout_id": pa.array(list(rollout_ids), pa.string()),
-                "learner_step": pa.array(np.full(n, learner_step, np.int64)),
-                "run_id": pa.array([run_id] * n, pa.string()),
-                "at": pa.array([now] * n, sch.field("at").type),
-            },
-            schema=sch,
+        return side_tables.append_usage(
+            self.uri, self.storage_options, rollout_ids, learner_step, run_id
         )
-        ds = lance.write_dataset(
-            table, _join(self.uri, USAGE), mode="append", storage_options=self.storage_options
-        )
-        if len(ds.get_fragments()) > USAGE_MAX_FRAGMENTS:
-            # One small fragment per draw would make every commit and read of the log
-            # grow with the number of steps; merging keeps them constant. Rows are kept.
-            # If another process compacts concurrently, its result stands.
-            with contextlib.suppress(OSError):
-                ds.optimize.compact_files()
-        return n
 
     # -- maintenance ---------------------------------------------------------------------
     def compact(self, *, cleanup_older_than: timedelta | None = None) -> dict[str, Any]:
@@ -410,22 +288,7 @@ class RolloutStore:
         Old versions stay readable (``checkout``) unless ``cleanup_older_than`` is given.
         """
         self.check_writable()
-        out = {}
-        for name in (ROLLOUTS, USAGE):
-            ds = self._open_ds(name)
-            try:
-                metrics = ds.optimize.compact_files()
-            except OSError as exc:
-                if _disk_full(exc):
-                    raise DiskFullError(f"compaction of {name}", self.uri) from exc
-                raise
-            out[name.split(".")[0]] = {
-                "fragments_removed": metrics.fragments_removed,
-                "fragments_added": metrics.fragments_added,
-            }
-            if cleanup_older_than is not None:
-                stats = self._open_ds(name).cleanup_old_versions(older_than=cleanup_older_than)
-                out[name.split(".")[0]]["bytes_removed"] = stats.bytes_removed
+        out = maintenance.compact(self.uri, self._open_ds, cleanup_older_than)
         self._ds_cache = None
         return out
 
@@ -442,18 +305,9 @@ class RolloutStore:
         Safe with concurrent readers and appenders; see :mod:`rolloutstore.gc`.
         """
         self.check_writable()
-        if not _is_local(self.uri):
-            raise ValueError(
-                f"gc works on local stores; {self.uri!r} is an object store: expire "
-                "unreferenced data/ files with a bucket lifecycle rule instead"
-            )
-        results = [
-            collect_dataset(self._open_ds(name), min_age=min_age, dry_run=dry_run)
-            for name in (ROLLOUTS, USAGE, REWARDS, LINEAGE)
-            if _exists(_join(self.uri, name), self.storage_options)
-        ]
-        results.append(collect_export_temps(exports, min_age=min_age, dry_run=dry_run))
-        return merge(results)
+        return collect_store(
+            self.uri, self.storage_options, min_age=min_age, exports=exports, dry_run=dry_run
+        )
 
     def evict(
         self,
@@ -506,10 +360,7 @@ class RolloutStore:
 
     def rewards_table(self) -> lance.LanceDataset | pa.Table:
         """The re-scorings table (latest version); empty until the first ``rescore``."""
-        target = _join(self.uri, REWARDS)
-        if _exists(target, self.storage_options):
-            return lance.dataset(target, storage_options=self.storage_options)
-        return S.table_schema("rewards").empty_table()
+        return side_tables.open_table(self.uri, "rewards", self.storage_options)
 
     def rescore(self, task, **options: Any):
         """Re-score stored rollouts with ``task``'s verifier under a new ``reward_version``.
@@ -523,30 +374,17 @@ class RolloutStore:
         return rescore(self, task, **options)
 
     def _lineage(self) -> lance.LanceDataset | pa.Table:
-        target = _join(self.uri, LINEAGE)
-        if _exists(target, self.storage_options):
-            return lance.dataset(target, storage_options=self.storage_options)
-        return S.table_schema("lineage").empty_table()  # stores from before lineage
+        # Empty for stores from before lineage.
+        return side_tables.open_table(self.uri, "lineage", self.storage_options)
 
     def record_lineage(
         self, run_id: str, policy_version: int, parent_run: str | None, parent_version: int | None
     ) -> None:
         """Record that ``run_id`` at ``policy_version`` continues from ``parent_run`` at
         ``parent_version``, which defines staleness across runs."""
-        sch = S.table_schema("lineage")
-        table = pa.table(
-            {
-                "run_id": [run_id],
-                "policy_version": pa.array([policy_version], pa.int64()),
-                "parent_run": [parent_run],
-                "parent_version": pa.array([parent_version], pa.int64()),
-                "at": pa.array([datetime.now(UTC)], sch.field("at").type),
-            },
-            schema=sch,
+        side_tables.append_lineage(
+            self.uri, self.storage_options, run_id, policy_version, parent_run, parent_version
         )
-        target = _join(self.uri, LINEAGE)
-        mode = "append" if _exists(target, self.storage_options) else "create"
-        lance.write_dataset(table, target, mode=mode, storage_options=self.storage_options)
 
     def sql(
         self, query: str, params: Sequence | dict | None = None, *, timeout: float | None = None
@@ -597,53 +435,7 @@ class RolloutStore:
         """Bytes of the rollouts dataset: a local folder walked in full (all versions); on an
         object store, the data files of this version as its manifest records them (listing
         a bucket prefix costs a request per 1,000 objects). None if a size is unrecorded."""
-        if not _is_local(self.uri):
-            sizes = [
-                f.file_size_bytes
-                for frag in self._rollouts().get_fragments()
-                for f in frag.metadata.files
-            ]
-            return None if any(s is None for s in sizes) else int(sum(sizes))
-        root = self.uri.removeprefix("file://")
-        total = 0
-        for d, _, files in os.walk(os.path.join(root, ROLLOUTS)):
-            total += sum(os.path.getsize(os.path.join(d, f)) for f in files)
-        return total
-
-
-def _manifest_versions(folder: str) -> dict[int, str]:
-    """Version -> manifest file name in a local ``_versions`` folder (either naming scheme:
-    V2 names a version ``2**64 - 1 - v``, V1 names it ``v``)."""
-    out = {}
-    for name in os.listdir(folder):
-        stem, dot, ext = name.partition(".")
-        if ext != "manifest" or not stem.isdigit():
-            continue
-        n = int(stem)
-        out[(2**64 - 1 - n) if n > 2**63 else n] = name
-    return out
-
-
-def _disk_full(exc: OSError) -> bool:
-    # Lance reports I/O errors from Rust as OSError without errno: match its text too.
-    return exc.errno == errno.ENOSPC or "os error 28" in str(exc) or "No space left" in str(exc)
-
-
-def _chunks(data) -> Iterable:
-    if isinstance(data, (pa.Table, pa.RecordBatch)):
-        return [data]
-    if isinstance(data, pa.RecordBatchReader):
-        return data
-    if isinstance(data, Sequence) and not isinstance(data, (str, bytes)):
-        if data and isinstance(data[0], (pa.Table, pa.RecordBatch)):
-            return data
-        return [list(data)]
-    if isinstance(data, Iterable):
-        return data
-    raise TypeError(
-        f"append() takes a pyarrow.Table, a list of dicts or an iterable of record batches, "
-        f"got {type(data).__name__}"
-    )
+        return layout.bytes_on_disk(self.uri, self._rollouts)
 
 
 def _reopen(uri: str, version: int | None, storage_options: dict | None) -> RolloutStore:

@@ -9,7 +9,7 @@ over the batch; only the error path walks rows to find the first bad one.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import UTC, datetime
 
 import numpy as np
@@ -320,3 +320,21 @@ def prepare(
     _check_required(table, schema)
     _check_invariants(table, unique_ids)
     return table.replace_schema_metadata(schema.metadata)
+
+
+def chunks(data) -> Iterable:
+    """``append``'s input as an iterable of tables, record batches or lists of row dicts."""
+    if isinstance(data, (pa.Table, pa.RecordBatch)):
+        return [data]
+    if isinstance(data, pa.RecordBatchReader):
+        return data
+    if isinstance(data, Sequence) and not isinstance(data, (str, bytes)):
+        if data and isinstance(data[0], (pa.Table, pa.RecordBatch)):
+            return data
+        return [list(data)]
+    if isinstance(data, Iterable):
+        return data
+    raise TypeError(
+        f"append() takes a pyarrow.Table, a list of dicts or an iterable of record batches, "
+        f"got {type(data).__name__}"
+    )

@@ -39,20 +39,20 @@ max over both sides, so uniform priority keeps w = 1: the mix, like
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-import lance
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute  # noqa: F401  (pa.compute)
 
 from ..errors import EmptyBufferError, RewardVersionError, ShortBatchWarning
 from ..rescore import apply_rewards
-from ..sql import REWARDS_NEWEST_SQL, connect, run
+from ..sql import connect, run
 from ..store import RolloutStore
 from .config import ReplayConfig
-from .draw import codes, draw, floats, fresh_mask
+from .draw import codes, draw, fresh_mask
+from .overlay import RewardOverlay
 from .queries import (
     SCALAR_COLUMNS,
     SELECT_COLUMNS,
@@ -60,39 +60,10 @@ from .queries import (
     lance_filter,
     window_sql,
 )
+from .selection import Selection, selection_of
+from .uses import UseCounts
 
 __all__ = ["EmptyBufferError", "RewardVersionError", "Selection", "Selector", "ShortBatchWarning"]
-
-
-@dataclass(frozen=True)
-class Selection:
-    """One drawn batch: row addresses in the store version it was drawn from, and per-row data."""
-
-    row_addresses: np.ndarray  # (B,) uint64, Lance row addresses at store_version
-    rollout_ids: list[str]
-    weights: np.ndarray  # (B,) float32 importance weights (1 for uniform sampling)
-    staleness: np.ndarray  # (B,) int64, learner_version - policy_version
-    policy_version: np.ndarray  # (B,) int64
-    prompt_ids: list[str] = field(repr=False)
-    run_ids: list[str] = field(default=None, repr=False)
-    learner_version: int = 0
-    store_version: int = 0
-    step: int = 0
-    # The buffer this batch was drawn from: lets a loader read (and cache) it in one pass.
-    buffer_addresses: np.ndarray = field(default=None, repr=False)
-    buffer_tokens: int = 0
-    # The reward version read (see the module docstring), per row.
-    rewards: np.ndarray = field(default=None, repr=False)  # (B,) float32, NaN: unscored
-    advantages: np.ndarray = field(default=None, repr=False)  # (B,) float32, NaN: none
-    reward_versions: np.ndarray = field(default=None, repr=False)  # (B,) int64, 0: original
-    # (B,) bool: policy_version among the buffer's fresh_versions newest (mix or not).
-    fresh: np.ndarray = field(default=None, repr=False)
-    # The batch_size asked for (None: a token budget only); len(self) may be smaller
-    # when the buffer or per_prompt_cap cannot fill it (a ShortBatchWarning says why).
-    requested: int | None = None
-
-    def __len__(self) -> int:
-        return len(self.rollout_ids)
 
 
 @dataclass
@@ -129,17 +100,14 @@ class Selector:
         self.record_usage = record_usage
         self.step = 0
         self._frag_stats: dict[tuple, _FragStats] = {}
-        self._own_uses: dict[str, int] | None = None
+        self._uses = UseCounts()
         self._con = None
         self._con_pid = None
         self._buf_cache: tuple | None = None
         self._codes_cache: tuple | None = None
-        self._usage_seen: set[int] = set()
-        self._others: dict[str, set] = {}
         self._last_sql: str | None = None
         self._last_filter: str | None = None
-        self._rewards_ds = None
-        self._overlay_cache: tuple | None = None
+        self._rewards = RewardOverlay()
 
     def _sql(self, tables: dict[str, Any], query: str, params: list | None = None) -> pa.Table:
         """Run ``query`` on this selector's one DuckDB connection with ``tables`` registered."""
@@ -157,8 +125,7 @@ class Selector:
         state["_con"] = None
         state["_buf_cache"] = None
         state["_codes_cache"] = None
-        state["_rewards_ds"] = None
-        state["_overlay_cache"] = None
+        state["_rewards"] = RewardOverlay()
         return state
 
     # -- state -------------------------------------------------------------------------
@@ -167,7 +134,7 @@ class Selector:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = int(state["step"])
-        self._own_uses = None  # re-read from the usage log, up to the new step
+        self._uses.forget_own()  # re-read from the usage log, up to the new step
 
     def explain(self, learner_version: int | None = None) -> str:
         """The SQL the selector runs, and the filter it pushes into the Lance scan.
@@ -225,15 +192,14 @@ class Selector:
         buf = self.buffer(learner_version)
         if self.config.max_uses is None:
             return buf
-        return self._sql(
-            {"buf": buf, "uses": self._use_counts(buf)}, USES_FILTER_SQL, [self.config.max_uses]
-        )
+        uses = self._uses.table(self._sql, self.store.usage_dataset(), buf, self.run_id, self.step)
+        return self._sql({"buf": buf, "uses": uses}, USES_FILTER_SQL, [self.config.max_uses])
 
     def buffer(self, learner_version: int) -> pa.Table:
         """Window, staleness and group filters; cached per (store version, staleness bound)."""
         ds = self.store.dataset()
         lower = self._lower(learner_version)
-        key = (ds.version, lower, self._rewards_version())
+        key = (ds.version, lower, self._rewards.version(self.store))
         if self._buf_cache is not None and self._buf_cache[0] == key:
             return self._buf_cache[1]
         buf = self._buffer(ds, lower)
@@ -312,48 +278,9 @@ class Selector:
             t = ds.scanner(
                 columns=cols, filter=scan_filter, fragments=fragments, with_row_address=True
             ).to_table()
-        return apply_rewards(t, self._overlay())
-
-    # -- re-scored rewards -------------------------------------------------------------
-    def _rewards_version(self) -> int | None:
-        """Version of the rewards table (None: no re-scoring yet); cheap, read every draw."""
-        if self._rewards_ds is None:
-            ds = self.store.rewards_table()
-            if not isinstance(ds, lance.LanceDataset):
-                return None
-            self._rewards_ds = ds
-        return self._rewards_ds.latest_version
-
-    def _overlay(self) -> pa.Table | None:
-        """(rollout_id, reward, advantage, reward_version) of the chosen re-scoring per rollout."""
-        version = self._rewards_version()
-        want = self.config.reward_version
-        if self._overlay_cache is not None and self._overlay_cache[0] == version:
-            return self._overlay_cache[1]
-        table = None
-        if version is not None:
-            ds = self._rewards_ds.checkout_version(version)
-            newest = self._sql({"rewards": ds}, "SELECT max(reward_version) AS v FROM rewards")
-            top = newest["v"][0].as_py() or 0
-            if want is not None and want > top:
-                raise RewardVersionError(
-                    f"ReplayConfig.reward_version {want} does not exist: the store's "
-                    f"re-scorings go up to {top} (0 = the rewards rollouts were written with)"
-                )
-            where = "" if want is None else "WHERE reward_version <= ?"
-            table = self._sql(
-                {"rewards": ds},
-                REWARDS_NEWEST_SQL.format(where=where),
-                None if want is None else [want],
-            )
-            table = table if table.num_rows else None
-        elif want not in (None, 0):
-            raise RewardVersionError(
-                f"ReplayConfig.reward_version {want} does not exist: the store has no "
-                "re-scorings yet (run `rolloutstore rescore`), only version 0"
-            )
-        self._overlay_cache = (version, table)
-        return table
+        return apply_rewards(
+            t, self._rewards.table(self.store, self._sql, self.config.reward_version)
+        )
 
     def _eligible_count_and_nth(self, cand: pa.Table, params_where: list) -> tuple[int, int]:
         where = f"WHERE ({self.config.where})" if self.config.where else ""
@@ -369,49 +296,6 @@ class Selector:
 
     def _window(self, cand: pa.Table, sql: str, params: list) -> pa.Table:
         return self._sql({"cand": cand}, sql, params)
-
-    def _use_counts(self, buf: pa.Table) -> pa.Table:
-        """Use counts of the buffer's rollouts: this run's (in memory) plus other runs'."""
-        usage = self.store.usage_dataset()
-        if self._own_uses is None:
-            own = self._sql(
-                {"usage": usage},
-                "SELECT rollout_id, count(DISTINCT learner_step) AS n FROM usage "
-                "WHERE run_id = ? AND learner_step < ? GROUP BY 1",
-                [self.run_id, self.step],
-            )
-            self._own_uses = dict(zip(own["rollout_id"].to_pylist(), own["n"].to_pylist()))
-        others = self._other_uses(usage)
-        ids = buf["rollout_id"].to_pylist()
-        counts = [self._own_uses.get(r, 0) + len(others.get(r, ())) for r in ids]
-        return pa.table(
-            {"rollout_id": pa.array(ids, pa.string()), "n": pa.array(counts, pa.int64())}
-        )
-
-    def _other_uses(self, usage) -> dict[str, set]:
-        """Other runs' distinct (run, step) uses per rollout, read incrementally.
-
-        The usage log only grows by new fragments, so each is read once; if a
-        compaction replaced fragments, the counts are rebuilt from scratch.
-        """
-        frags = usage.get_fragments()
-        ids = {f.fragment_id for f in frags}
-        if not self._usage_seen <= ids:
-            self._usage_seen, self._others = set(), {}
-        new = [f for f in frags if f.fragment_id not in self._usage_seen]
-        if new:
-            own = self.run_id.replace("'", "''")
-            t = usage.scanner(
-                columns=["rollout_id", "run_id", "learner_step"],
-                fragments=new,
-                filter=f"run_id <> '{own}'",
-            ).to_table()
-            for rid, run_id, step in zip(
-                t["rollout_id"].to_pylist(), t["run_id"].to_pylist(), t["learner_step"].to_pylist()
-            ):
-                self._others.setdefault(rid, set()).add((run_id, step))
-            self._usage_seen |= {f.fragment_id for f in new}
-        return self._others
 
     # -- sampling ----------------------------------------------------------------------
     def sample(
@@ -433,7 +317,7 @@ class Selector:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         step = self.step if learner_step is None else learner_step
         if step != self.step:
-            self._own_uses = None
+            self._uses.forget_own()
         self.step = step
         store_version = self.store.version
         cand = self.candidates(learner_version)
@@ -443,6 +327,28 @@ class Selector:
                 f"(store version {store_version}, {self.store.count()} rows); wait for actors "
                 "or relax window/max_staleness/max_uses/where"
             )
+        idx, weights, fresh = self._draw(cand, batch_size, max_tokens, step)
+        sel = selection_of(
+            cand,
+            idx,
+            weights,
+            fresh,
+            learner_version=learner_version,
+            store_version=store_version,
+            step=step,
+            requested=batch_size,
+        )
+        self._uses.add_own(sel.rollout_ids)
+        if self.record_usage:
+            self.store.record_usage(sel.rollout_ids, learner_step=step, run_id=self.run_id)
+        self.step = step + 1
+        return sel
+
+    def _draw(
+        self, cand: pa.Table, batch_size: int | None, max_tokens: int | None, step: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(candidate indices, importance weights, every candidate's fresh mask) of the draw
+        at ``step``; warns (ShortBatchWarning) when fewer than ``batch_size`` rows come."""
         rng = np.random.default_rng([self.config.seed, step])
         want = batch_size if batch_size is not None else cand.num_rows
         if self._codes_cache is None or self._codes_cache[0] is not cand:
@@ -457,8 +363,11 @@ class Selector:
             cand, want, self.config, rng, self._embeddings, prompts=prompts, fresh=fresh
         )
         if batch_size is not None and len(idx) < batch_size and not self.config.whole_groups:
-            warnings.warn(self._short_reason(batch_size, len(idx), cand, prompts), ShortBatchWarning,
-                          stacklevel=2)  # fmt: skip
+            warnings.warn(
+                self._short_reason(batch_size, len(idx), cand, prompts),
+                ShortBatchWarning,
+                stacklevel=3,  # the caller of sample
+            )
         if max_tokens is not None:
             lengths = (
                 cand["num_prompt_tokens"].to_numpy().astype(np.int64)
@@ -466,35 +375,7 @@ class Selector:
             )[idx]
             keep = max(1, int(np.searchsorted(np.cumsum(lengths), max_tokens, side="right")))
             idx, weights = idx[:keep], weights[:keep]
-        pick = cand.take(pa.array(idx, pa.int64()))
-        pv = pick["policy_version"].to_numpy().astype(np.int64)
-        sel = Selection(
-            row_addresses=pick["_rowaddr"].to_numpy().astype(np.uint64),
-            rollout_ids=pick["rollout_id"].to_pylist(),
-            weights=weights.astype(np.float32),
-            staleness=(learner_version - pv).astype(np.int64),
-            policy_version=pv,
-            prompt_ids=pick["prompt_id"].to_pylist(),
-            run_ids=pick["run_id"].to_pylist(),
-            learner_version=learner_version,
-            store_version=store_version,
-            step=step,
-            buffer_addresses=cand["_rowaddr"].to_numpy().astype(np.uint64),
-            buffer_tokens=int(pa.compute.sum(cand["num_prompt_tokens"]).as_py() or 0)
-            + int(pa.compute.sum(cand["num_completion_tokens"]).as_py() or 0),
-            rewards=floats(pick["reward"]),
-            advantages=floats(pick["advantage"]),
-            reward_versions=pick["reward_version"].to_numpy().astype(np.int64),
-            fresh=fresh[idx],
-            requested=batch_size,
-        )
-        if self._own_uses is not None:
-            for rid in set(sel.rollout_ids):
-                self._own_uses[rid] = self._own_uses.get(rid, 0) + 1
-        if self.record_usage:
-            self.store.record_usage(sel.rollout_ids, learner_step=step, run_id=self.run_id)
-        self.step = step + 1
-        return sel
+        return idx, weights, fresh
 
     def _short_reason(self, asked: int, got: int, cand: pa.Table, prompts: np.ndarray) -> str:
         cap = self.config.per_prompt_cap

@@ -1,0 +1,176 @@
+"""Replay rows to learner-ready tensors: the padded or packed batch layout
+(:mod:`rolloutstore.replay.loader` documents it), each row's sampling settings, and the
+split of a batch into micro-batches under a token budget."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from .selector import Selection
+
+# Rewards and advantages come from the Selection (the selector overlays re-scorings on them).
+TOKEN_COLUMNS = ["prompt_ids", "completion_ids", "behavior_logprobs"]
+# Each row's sampler settings: the learner scores a row under the distribution that sampled it.
+SAMPLING_COLUMNS = ["temperature", "top_k", "top_p", "logprobs_mode"]
+
+
+def _flat(col: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    """(values, offsets) of a list column as numpy, without per-token Python."""
+    arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    offsets = arr.offsets.to_numpy().astype(np.int64)
+    values = arr.values.to_numpy(zero_copy_only=False)
+    return values, offsets
+
+
+def _segment_index(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For sequences of ``lengths``: (sequence index, position within it) of every element."""
+    total = int(lengths.sum())
+    seq = np.repeat(np.arange(len(lengths)), lengths)
+    starts = np.zeros(len(lengths), np.int64)
+    np.cumsum(lengths[:-1], out=starts[1:])
+    pos = np.arange(total, dtype=np.int64) - np.repeat(starts, lengths)
+    return seq, pos
+
+
+def _sampling(rows: pa.Table) -> dict[str, Any]:
+    """Per-row ``temperature`` (NaN: unknown), ``top_k`` (0: none), ``top_p`` (1: none) tensors
+    and the ``logprobs_mode`` list (None: unknown); columns a table lacks are left out."""
+    out: dict[str, Any] = {}
+    defaults = {
+        "temperature": (np.float32, np.nan),
+        "top_k": (np.int64, 0),
+        "top_p": (np.float32, 1.0),
+    }
+    for name, (dtype, null) in defaults.items():
+        if name in rows.column_names:
+            values = rows[name].fill_null(null).to_numpy(zero_copy_only=False)
+            out[name] = torch.from_numpy(np.array(values, dtype=dtype))
+    if "logprobs_mode" in rows.column_names:
+        out["logprobs_mode"] = rows["logprobs_mode"].to_pylist()
+    return out
+
+
+def collate(rows: pa.Table, sel: Selection, idx: np.ndarray, *, pack: bool) -> dict[str, Any]:
+    """Tensors for rows ``idx`` of ``sel``; ``rows`` holds exactly those rows, in that order."""
+    adv = np.nan_to_num(sel.advantages[idx].astype(np.float32))
+    out, lengths, num_loss_tokens = _token_tensors(rows, adv, pack)
+    out.update(_sampling(rows))
+    rewards = sel.rewards[idx].astype(np.float32)
+    out.update(
+        policy_version=torch.from_numpy(sel.policy_version[idx].copy()),
+        staleness=torch.from_numpy(sel.staleness[idx].copy()),
+        weights=torch.from_numpy(sel.weights[idx].copy()),
+        rewards=torch.from_numpy(rewards),
+        seq_advantages=torch.from_numpy(adv),
+        num_tokens=int(lengths.sum()),
+        num_loss_tokens=num_loss_tokens,
+        rollout_ids=[sel.rollout_ids[i] for i in idx],
+        run_ids=[sel.run_ids[i] for i in idx],
+        step=sel.step,
+        learner_version=sel.learner_version,
+        store_version=sel.store_version,
+    )
+    return out
+
+
+def _token_tensors(
+    rows: pa.Table, adv: np.ndarray, pack: bool
+) -> tuple[dict[str, Any], np.ndarray, int]:
+    """The per-token tensors of ``rows`` (one pass that pads or packs them all together, so
+    the layouts cannot drift apart), with ``adv`` (one per row) spread over each completion;
+    also each row's length and the number of loss tokens."""
+    p_vals, p_off = _flat(rows["prompt_ids"])
+    c_vals, c_off = _flat(rows["completion_ids"])
+    l_vals, _ = _flat(rows["behavior_logprobs"])
+    p_len, c_len = np.diff(p_off), np.diff(c_off)
+    p_vals = p_vals[p_off[0] : p_off[-1]]
+    c_vals = c_vals[c_off[0] : c_off[-1]]
+    l_vals = l_vals[c_off[0] : c_off[-1]]
+    lengths = p_len + c_len
+    n = len(adv)
+
+    # Flat destination of every token: row * width + column, prompts first, then completions.
+    # At least one column, so that an empty shard (world_size > rows) or a row without
+    # tokens (stores from before append refused them) gives empty tensors, never a crash.
+    width = max(int(lengths.sum()) if pack else int(lengths.max(initial=0)), 1)
+    starts = np.zeros(n, np.int64)
+    if pack:
+        np.cumsum(lengths[:-1], out=starts[1:])
+    else:
+        starts = np.arange(n, dtype=np.int64) * width
+    # Each sequence's tokens are contiguous in the flat values and at its destination, so
+    # a destination is the value's position plus one shift per sequence (one np.repeat).
+    p_start, c_start = p_off[:-1] - p_off[0], c_off[:-1] - c_off[0]
+    p_dst = np.arange(len(p_vals)) + np.repeat(starts - p_start, p_len)
+    c_shift = starts + p_len - c_start
+    c_dst = np.arange(len(c_vals)) + np.repeat(c_shift, c_len)
+    rows_out = 1 if pack else n
+    input_ids = np.zeros(rows_out * width, np.int64)
+    input_ids[p_dst] = p_vals
+    input_ids[c_dst] = c_vals
+    # Targets: column t scores token t+1, so a completion token at column c sits at c-1;
+    # in the (rows, width - 1) target grid, row r's flat offset is r * (width - 1).
+    t_shift = c_shift - 1 - (0 if pack else np.arange(n))
+    t_dst = np.arange(len(c_vals)) + np.repeat(t_shift, c_len)
+    # A completion token with no token before it (empty prompt) cannot be scored.
+    scored = ~(np.repeat(p_len == 0, c_len) & (_segment_index(c_len)[1] == 0))
+    t_dst, l_vals = t_dst[scored], l_vals[scored]
+    size = rows_out * (width - 1)
+    loss_mask = np.zeros(size, np.float32)
+    blp = np.zeros(size, np.float32)
+    adv_tok = np.zeros(size, np.float32)
+    loss_mask[t_dst] = 1.0
+    blp[t_dst] = l_vals
+    adv_tok[t_dst] = np.repeat(adv, c_len)[scored]
+    shape, tshape = (rows_out, width), (rows_out, width - 1)
+    out: dict[str, Any] = {
+        "input_ids": torch.from_numpy(input_ids.reshape(shape)),
+        "loss_mask": torch.from_numpy(loss_mask.reshape(tshape)),
+        "behavior_logprobs": torch.from_numpy(blp.reshape(tshape)),
+        "advantages": torch.from_numpy(adv_tok.reshape(tshape)),
+    }
+    out.update(_positions(lengths, width, pack))
+    return out, lengths, len(t_dst)
+
+
+def _positions(lengths: np.ndarray, width: int, pack: bool) -> dict[str, torch.Tensor]:
+    """``position_ids`` and ``attention_mask`` of sequences of ``lengths`` in rows of
+    ``width`` (packed: one row, positions restarting per sequence, plus ``cu_seqlens``)."""
+    out: dict[str, torch.Tensor] = {}
+    if pack:
+        shape = (1, width)
+        pos_all = np.zeros(width, np.int64)
+        pos_all[: int(lengths.sum())] = _segment_index(lengths)[1]
+        out["position_ids"] = torch.from_numpy(pos_all.reshape(shape))
+        out["attention_mask"] = torch.from_numpy(
+            (np.arange(width) < int(lengths.sum())).astype(np.int64).reshape(shape)
+        )
+        cu = np.zeros(len(lengths) + 1, np.int32)
+        np.cumsum(lengths, out=cu[1:])
+        out["cu_seqlens"] = torch.from_numpy(cu)
+    else:
+        am = (np.arange(width)[None, :] < lengths[:, None]).astype(np.int64)
+        out["attention_mask"] = torch.from_numpy(am)
+        out["position_ids"] = torch.from_numpy(np.arange(width)[None, :] * am)
+    return out
+
+
+def micro_batches(lengths: np.ndarray, max_tokens: int) -> list[np.ndarray]:
+    """Split sequence indices, in order, into groups of at most ``max_tokens`` tokens each.
+
+    A sequence longer than the budget forms a micro-batch of its own.
+    """
+    groups, cur, used = [], [], 0
+    for i, n in enumerate(lengths.tolist()):
+        if cur and used + n > max_tokens:
+            groups.append(np.asarray(cur))
+            cur, used = [], 0
+        cur.append(i)
+        used += n
+    if cur:
+        groups.append(np.asarray(cur))
+    return groups
