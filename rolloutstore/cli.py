@@ -26,7 +26,7 @@ Errors: a user error (any RolloutStoreError, a bad argument, a missing file, or 
 error a plugin declares user-facing, or any exception class with ``user_facing = True``)
 prints one line ``error: ...`` to stderr and exits 2; ``--debug`` shows the traceback
 instead. Ctrl-C interrupts a running query at once and exits 130 (``error: interrupted``).
-A few ``evict`` option checks still exit 1 via SystemExit. Table output to a terminal
+Table output to a terminal
 escapes control characters (``\x1b`` is shown as the four characters ``\x1b``); files
 written with ``--out`` keep the stored text as is. Output paths inside a store are refused.
 """

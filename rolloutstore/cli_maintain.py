@@ -10,7 +10,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from .cliargs import open_store
-from .errors import RolloutStoreError
+from .errors import RolloutStoreError, UsageError
 from .output import format_table, print_stats
 
 
@@ -54,9 +54,9 @@ def cmd_evict(a) -> None:
     options = sorted(f.name for f in dataclasses.fields(RetentionConfig) if f.name in vars(a))
     if options and not a.preserve_diversity:
         flags = ", ".join("--" + n.replace("_", "-") for n in options)
-        raise SystemExit(f"error: {flags} only apply with --preserve-diversity")
+        raise UsageError(f"{flags} only apply with --preserve-diversity")
     if a.preserve_diversity and a.keep is None:
-        raise SystemExit("error: --preserve-diversity needs --keep N (the rows to keep)")
+        raise UsageError("--preserve-diversity needs --keep N (the rows to keep)")
     try:
         diverse = dataclass_from_args(RetentionConfig, a) if a.preserve_diversity else False
         store = open_store(a.store)
@@ -70,7 +70,7 @@ def cmd_evict(a) -> None:
     except ValueError as exc:
         if isinstance(exc, RolloutStoreError):
             raise
-        raise SystemExit(f"error: {exc}") from exc
+        raise UsageError(str(exc)) from exc
     print(f"evicted {r.rows_deleted} rollouts, {r.rows_left} left (store version {r.version})")
     if r.coverage is not None:
         print(format_report(r.coverage))
