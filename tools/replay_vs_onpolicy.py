@@ -52,13 +52,14 @@ import shlex
 import shutil
 import sys
 import time
-import tomllib
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from tools.replay_common import load_base, read_metrics  # noqa: E402
+from tools.replay_common import write_report as _write_report  # noqa: E402
 from trainer.config import TrainConfig  # noqa: E402
 
 CONFIGS = ("onpolicy", "replay", "replay_tis_div", "replay_control")
@@ -92,10 +93,6 @@ PAPER = "https://arxiv.org/abs/2604.08706"
 
 
 # -- configs ------------------------------------------------------------------------------------
-def load_base(path: Path) -> dict[str, Any]:
-    return tomllib.loads(path.read_text())
-
-
 def steps_for_budget(
     token_budget: int, rollouts_per_round: int, updates_per_round: int, tokens_per_rollout: float
 ) -> int:
@@ -174,13 +171,6 @@ def build_configs(
 
 
 # -- running ------------------------------------------------------------------------------------
-def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def finished(cfg: TrainConfig) -> bool:
     run_dir = Path(cfg.run.dir)
     meta = run_dir / "run.json"
@@ -316,23 +306,13 @@ def plot(summ, path: Path, target: float, correction: str, control_base: str = "
     plt.close(fig)
 
 
-BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
-
-
 def write_report(out: Path, block: str) -> None:
     """Replace the generated block between the markers of ``out``, keeping the text around it."""
-    text = out.read_text() if out.exists() else ""
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        tail = rest.split(END, 1)[1]
-    else:
-        head = (
-            "# Replay vs on-policy at equal generated tokens\n\n"
-            "See the docstring of `tools/replay_vs_onpolicy.py`.\n\n"
-        )
-        tail = "\n"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(f"{head}{BEGIN}\n{block}{END}{tail}")
+    head = (
+        "# Replay vs on-policy at equal generated tokens\n\n"
+        "See the docstring of `tools/replay_vs_onpolicy.py`.\n\n"
+    )
+    _write_report(out, block, head)
 
 
 # -- main ---------------------------------------------------------------------------------------
