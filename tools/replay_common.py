@@ -30,12 +30,19 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def write_report(out: Path, block: str, head: str, tail: str = "\n") -> None:
-    """Replace the generated block between the markers of ``out``, keeping the text around it;
-    a file without the markers (or no file) gets ``head``, the block and ``tail``."""
+def write_report(
+    out: Path,
+    block: str,
+    head: str,
+    tail: str = "\n",
+    markers: tuple[str, str] = (BEGIN, END),
+) -> None:
+    """Replace the generated block between the ``markers`` of ``out``, keeping the text around
+    it; a file without the markers (or no file) becomes ``head``, the block and ``tail``."""
+    begin, end = markers
     text = out.read_text() if out.exists() else ""
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        tail = rest.split(END, 1)[1]
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        tail = rest.split(end, 1)[1]
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(f"{head}{BEGIN}\n{block}{END}{tail}")
+    out.write_text(f"{head}{begin}\n{block}{end}{tail}")

@@ -1,0 +1,247 @@
+"""tools/replay_sweep.py: the grid's configs, the per-cell cache and resume, the bootstrap and
+report math on synthetic per-seed results, and one tiny real cell end to end."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+spec = importlib.util.spec_from_file_location("replay_sweep", ROOT / "tools" / "replay_sweep.py")
+rs = importlib.util.module_from_spec(spec)
+sys.modules["replay_sweep"] = rs  # dataclasses look their module up
+spec.loader.exec_module(rs)
+
+BASE = rs.load_base(ROOT / "examples" / "arith.toml")
+
+
+# -- the grid -----------------------------------------------------------------------------------
+def test_cells_map_to_updates_window_and_loss(tmp_path):
+    sz = rs.Sizing()
+    assert len(rs.GRID) == 19 and len({c.name for c in rs.GRID}) == 19
+    assert rs.parse_cell("onpolicy") == rs.ONPOLICY and rs.ONPOLICY.onpolicy
+    for cell in rs.GRID:
+        assert rs.parse_cell(cell.name) == cell
+    on = rs.build_config(BASE, rs.ONPOLICY, 3, sz, tmp_path)
+    assert on.task.name == "carry_add" and on.generation.backend == "hf"
+    assert (on.run.updates_per_round, on.run.batch_size, on.replay.window) == (1, 64, 64)
+    assert on.run.warm_start_steps == 0 and on.model.path == str(tmp_path / "warm")
+    assert (on.run.seed, on.replay.seed, on.optim.seed) == (3, 3, 3)
+    assert on.replay.max_uses is None and on.replay.max_staleness is None
+    y16 = rs.build_config(BASE, rs.parse_cell("ppo-y16-n16"), 3, sz, tmp_path)
+    assert (y16.run.updates_per_round, y16.replay.window) == (16, 1024)
+    ep = rs.build_config(BASE, rs.parse_cell("ppo-ep4-y8-n4"), 3, sz, tmp_path)
+    assert (ep.run.updates_per_round, ep.optim.ppo_epochs, ep.replay.window) == (2, 4, 256)
+    assert rs.build_config(BASE, rs.parse_cell("m2po-y8-n4"), 3, sz, tmp_path).loss.loss_type == (
+        "m2po"
+    )
+    # Equal compute at mu_budget: rounds x R x (mu + y) ~ budget_rounds x R x (mu + 1).
+    for cell in rs.GRID:
+        r = sz.rounds(cell)
+        assert r * (sz.mu_budget + cell.y) >= sz.budget_rounds * (sz.mu_budget + 1) - 1e-9
+        assert (r - 1) * (sz.mu_budget + cell.y) < sz.budget_rounds * (sz.mu_budget + 1)
+    with pytest.raises(ValueError, match="not a cell name"):
+        rs.parse_cell("sgd-y2-n1")
+    # The overrides round-trip through the config format.
+    assert type(on).from_dict(on.to_dict()) == on
+
+
+def test_hash_follows_the_sizing_not_the_folders(tmp_path):
+    sz = rs.Sizing()
+    cfg = rs.build_config(BASE, rs.ONPOLICY, 0, sz, tmp_path / "a")
+    same = rs.build_config(BASE, rs.ONPOLICY, 0, sz, tmp_path / "b")
+    assert rs.config_hash(cfg, sz) == rs.config_hash(same, sz)
+    other = rs.Sizing(budget_rounds=sz.budget_rounds + 1)
+    assert rs.config_hash(rs.build_config(BASE, rs.ONPOLICY, 0, other, tmp_path), other) != (
+        rs.config_hash(cfg, sz)
+    )
+    more = rs.Sizing(passk_samples=4)
+    assert rs.config_hash(cfg, more) != rs.config_hash(cfg, sz)
+    assert rs.config_hash(rs.build_config(BASE, rs.ONPOLICY, 1, sz, tmp_path), sz) != (
+        rs.config_hash(cfg, sz)
+    )
+
+
+def test_select_cells_names_globs_and_all(tmp_path):
+    cache = rs.Cache(tmp_path / "c.json")
+    pick = rs.select_cells(["onpolicy", "ppo-y1-n1", "ppo-y*-n4"], cache, None, 0.5)
+    assert [c.name for c in pick] == ["ppo-y1-n1"] + [f"ppo-y{y}-n4" for y in (1, 2, 4, 8, 16)]
+    assert rs.select_cells(["all"], cache, None, 0.5) == rs.GRID
+    with pytest.raises(SystemExit):
+        rs.select_cells(["nothing-*"], cache, None, 0.5)
+
+
+# -- cache and resume ---------------------------------------------------------------------------
+def test_cache_skips_finished_runs_and_survives_a_reload(tmp_path):
+    sz = rs.Sizing()
+    cells = [rs.ONPOLICY, rs.parse_cell("ppo-y4-n4")]
+    cache = rs.Cache(tmp_path / "cache.json")
+    jobs = rs.make_jobs(BASE, cells, [0, 1], sz, tmp_path, cache)
+    assert [(j["cell"], j["seed"]) for j in jobs] == [
+        ("ppo-y1-n1", 0), ("ppo-y4-n4", 0), ("ppo-y1-n1", 1), ("ppo-y4-n4", 1),
+    ]  # fmt: skip
+    cache.begin_session(["--jobs", "1"], 1)
+    for j in jobs[:3]:  # the fourth run "was killed": nothing cached for it
+        cache.put(rs.parse_cell(j["cell"]), j["seed"], _record(j["cell"], j["seed"], j["hash"]))
+    again = rs.Cache(tmp_path / "cache.json")
+    left = rs.make_jobs(BASE, cells, [0, 1], sz, tmp_path, again)
+    assert [(j["cell"], j["seed"]) for j in left] == [("ppo-y4-n4", 1)]
+    assert again.sessions[0]["runs"] == 3 and again.sessions[0]["argv"] == ["--jobs", "1"]
+    # Another sizing is another configuration: nothing cached counts.
+    other = rs.Sizing(budget_rounds=7)
+    assert len(rs.make_jobs(BASE, cells, [0, 1], other, tmp_path, again)) == 4
+    assert json.loads((tmp_path / "cache.json").read_text())["schema"] == rs.SCHEMA
+
+
+# -- per-run numbers ----------------------------------------------------------------------------
+def test_summarise_run_reads_the_loop_metrics():
+    recs = [{"kind": "eval", "step": 0, "reward": 0.2, "generated_tokens": 0}]
+    for s in range(1, 9):  # y = 2: a round of 64 rollouts every 2 steps
+        rnd = (s + 1) // 2
+        recs.append(
+            {
+                "kind": "train", "step": s, "entropy": 1.0 / s, "generated_tokens": 1600 * rnd,
+                "generated_rollouts": 64 * rnd, "gen_seconds": 0.5 * rnd,
+                "train_seconds": 0.25 * s,
+            }
+        )  # fmt: skip
+        if s % 4 == 0:
+            recs.append({**recs[-1], "kind": "eval", "reward": 0.2 + 0.05 * s})
+    out = rs.summarise_run(recs, rs.parse_cell("ppo-y2-n4"), 64)
+    assert out["curve"][0] == [0, 0, 0, 0, 0.2]
+    assert out["curve"][1] == [4, 3200, 128, 256, pytest.approx(0.4)]
+    assert (out["steps"], out["tokens"], out["rollouts"], out["uses"]) == (8, 6400, 256, 512)
+    # mu = (2.0 s / 256 rollouts) / (2.0 s / 512 passes) = 2
+    assert out["mu"] == pytest.approx(2.0)
+    assert out["train_entropy"] == pytest.approx(sum(1.0 / s for s in range(4, 9)) / 5)
+    assert out["final_reward"] == pytest.approx(0.6)
+
+
+def test_pass_at_k_is_the_unbiased_estimator():
+    assert rs.pass_at_k(8, 2, 1) == pytest.approx(0.25)
+    assert rs.pass_at_k(8, 2, 4) == pytest.approx(1 - math.comb(6, 4) / math.comb(8, 4))
+    assert rs.pass_at_k(8, 0, 4) == 0.0 and rs.pass_at_k(8, 5, 4) == 1.0
+
+
+def test_target_and_compute_at_a_mu():
+    rec = _record("ppo-y4-n4", 0, "h", curve=[[0, 0, 0, 0, 0.1], [8, 3000, 128, 512, 0.3],
+                                             [16, 6000, 256, 1024, 0.5]])  # fmt: skip
+    m = rs.run_metrics(rec, 0.45, {"measured": 1.0, "paper": 5.3})
+    assert m["tokens_to_target"] == 6000
+    assert m["compute_to_target@measured"] == 1024 + 256
+    assert m["compute_to_target@paper"] == pytest.approx(1024 + 5.3 * 256)
+    assert math.isnan(rs.run_metrics(rec, 0.9, {"measured": 1.0})["compute_to_target@measured"])
+
+
+# -- statistics ---------------------------------------------------------------------------------
+def test_bootstrap_mean_interval():
+    mean, lo, hi = rs.bootstrap_mean([1.0, 2.0, 3.0, 4.0, float("nan")], n_boot=4000)
+    assert mean == 2.5 and 1.0 <= lo < mean < hi <= 4.0
+    assert rs.bootstrap_mean([5.0, 5.0, 5.0]) == (5.0, 5.0, 5.0)
+    one = rs.bootstrap_mean([2.0])
+    assert one[0] == 2.0 and math.isnan(one[1]) and math.isnan(rs.bootstrap_mean([])[0])
+
+
+def test_saving_is_paired_by_seed():
+    base = {0: 100.0, 1: 200.0, 2: 300.0, 3: 400.0}
+    # 40% cheaper on every seed: paired, the interval collapses onto the point.
+    s = rs.saving(base, {k: 0.6 * v for k, v in base.items()}, n_boot=2000)
+    assert s["paired"] and s["n"] == 4
+    assert s["point"] == pytest.approx(0.4) and s["lo"] == pytest.approx(0.4)
+    assert s["hi"] == pytest.approx(0.4)
+    # Unpaired, the spread between seeds widens it.
+    shuffled = {10 + k: 0.6 * v for k, v in base.items()}
+    u = rs.saving(base, shuffled, n_boot=2000)
+    assert not u["paired"] and u["point"] == pytest.approx(0.4) and u["lo"] < 0.3 < 0.5 < u["hi"]
+    # Seeds that did not reach the target (NaN) drop out of the pairs.
+    p = rs.saving(base, {0: 60.0, 1: 120.0, 2: float("nan"), 3: 240.0}, n_boot=500)
+    assert p["n"] == 3 and p["point"] == pytest.approx(0.4)
+    assert math.isnan(rs.saving({0: 1.0}, {0: 1.0})["point"])
+
+
+def test_report_tables_best_cell_and_saving(tmp_path):
+    cache = rs.Cache(tmp_path / "cache.json")
+    cache.warm = {"pass1": 0.2, "pass4": 0.4, "heldout_entropy": 0.3, "heldout_tokens": 27.0,
+                  "seconds": 5.0, "spec": {"steps": 250}}  # fmt: skip
+    cache.sessions = [{"argv": [], "jobs": 2, "seconds": 600.0, "runs": 12}]
+    # on-policy hits 0.5 at uses 1000 / rollouts 1000; y4-n4 at uses 1200 / rollouts 300
+    # (saves 40% at mu = 1: 2000 -> 1500... and more at mu = 5.3); y16-n4 never gets there.
+    shapes = {
+        "ppo-y1-n1": (1000, 1000),
+        "ppo-y4-n4": (1200, 300),
+        "ppo-y16-n4": None,
+    }
+    hashes = {}
+    for name, hitpt in shapes.items():
+        for seed in range(4):
+            jitter = 1 + 0.05 * seed
+            if hitpt:
+                uses, rollouts = hitpt[0] * jitter, hitpt[1] * jitter
+                curve = [[0, 0, 0, 0, 0.2], [1, rollouts * 25, rollouts, uses, 0.55]]
+            else:
+                curve = [[0, 0, 0, 0, 0.2], [1, 5000, 200, 3200, 0.3]]
+            rec = _record(name, seed, f"h-{name}-{seed}", curve=curve, mu=1.0)
+            cache.put(rs.parse_cell(name), seed, rec)
+            hashes[rs.Cache.key(rs.parse_cell(name), seed)] = rec["hash"]
+    out = tmp_path / "results.md"
+    out.write_text("# old report\n\nold text\n")
+    block = rs.report(cache, hashes, rs.Sizing(), target=0.5, out=out, command="cmd",
+                      n_boot=500)  # fmt: skip
+    assert "| ppo-y1-n1 (on-policy) |" in block and "| ppo-y16-n4 |" in block
+    assert "0/4" in block  # y16 never reached the target
+    assert "best replay cell **ppo-y4-n4**" in block
+    # mu = 1: (1200 + 300) / (1000 + 1000) -> 25% saved; mu = 5.3: (1200 + 1590) / 6300.
+    assert "saving 25% [25%, 25%] (paired, 4 seeds)" in block
+    assert f"saving {100 * (1 - 2790 / 6300):.0f}%" in block
+    text = out.read_text()
+    assert text.index(rs.SWEEP_BEGIN) < text.index(rs.SWEEP_END) < text.index("old text")
+    assert (tmp_path / "results_sweep_panels.png").stat().st_size > 0
+    assert (tmp_path / "results_sweep_curves.png").stat().st_size > 0
+    # A second report replaces the block and keeps the hand-written text around it.
+    out.write_text(text.replace("(to write from the tables above)", "my reading"))
+    rs.report(cache, hashes, rs.Sizing(), target=0.5, out=out, command="cmd2", n_boot=100)
+    text = out.read_text()
+    assert "my reading" in text and "`cmd2`" in text and "`cmd`" not in text
+
+
+def _record(cell, seed, digest, curve=None, mu=1.1):
+    curve = curve or [[0, 0, 0, 0, 0.2], [4, 3000, 128, 256, 0.4]]
+    last = curve[-1]
+    return {
+        "cell": cell, "seed": seed, "hash": digest, "curve": curve, "steps": last[0],
+        "tokens": last[1], "rollouts": last[2], "uses": last[3], "gen_seconds": 1.0,
+        "train_seconds": 1.0, "mu": mu, "first_reward": curve[0][4], "final_reward": last[4],
+        "train_entropy": 0.3, "pass1": last[4], "pass4": min(1.0, 2 * last[4]),
+        "heldout_entropy": 0.25, "heldout_tokens": 27.0, "wall_s": 60.0, "train_wall_s": 50.0,
+    }  # fmt: skip
+
+
+# -- one tiny real cell -------------------------------------------------------------------------
+TINY = [
+    "--budget-rounds", "2", "--evals", "1", "--eval-prompts", "4", "--passk-prompts", "2",
+    "--passk-samples", "4", "--warm-steps", "2", "--prompts-per-round", "2", "--group-size",
+    "4", "--batch-size", "8",
+]  # fmt: skip
+
+
+def test_one_tiny_cell_runs_caches_and_resumes(tmp_path, capsys):
+    args = ["--run-root", str(tmp_path), "--cells", "ppo-y2-n4", "--seeds", "0", *TINY]
+    assert rs.main(args) == 0
+    data = json.loads((tmp_path / "cache.json").read_text())
+    rec = data["runs"]["ppo-y2-n4/s0"]
+    # y = 2 with R = B = 8: 2 steps per round; equal compute at mu 1: ceil(2 x 2 / 3) = 2 rounds.
+    assert (rec["steps"], rec["rollouts"], rec["uses"]) == (4, 16, 32)
+    assert 0.0 <= rec["pass1"] <= rec["pass4"] <= 1.0 and rec["mu"] > 0
+    assert [p[0] for p in rec["curve"]] == [0, 2, 4]
+    assert data["warm"]["spec"]["steps"] == 2
+    run_dir = tmp_path / "ppo-y2-n4" / "s0"
+    assert sorted(p.name for p in run_dir.iterdir()) == ["metrics.jsonl", "run.json"]
+    capsys.readouterr()
+    assert rs.main(args) == 0  # everything cached: nothing runs
+    assert "0 runs to do (1 cached)" in capsys.readouterr().out
