@@ -130,8 +130,13 @@ def test_pass_at_k_is_the_unbiased_estimator():
 
 
 def test_target_and_compute_at_a_mu():
+    # Smoothed (3-eval moving average): 0.2, 0.3, 0.467, 0.55: 0.45 first at the third eval,
+    # though the raw 0.5 of one eval alone would not count.
+    assert rs.smoothed([0.1, 0.3, 0.5, 0.6]) == pytest.approx([0.2, 0.3, 1.4 / 3, 0.55])
     rec = _record("ppo-y4-n4", 0, "h", curve=[[0, 0, 0, 0, 0.1], [8, 3000, 128, 512, 0.3],
-                                             [16, 6000, 256, 1024, 0.5]])  # fmt: skip
+                                             [16, 6000, 256, 1024, 0.5],
+                                             [24, 9000, 384, 1536, 0.6]])  # fmt: skip
+    assert rs.hit([[0, 0, 0, 0, 0.1], [8, 3000, 128, 512, 0.6], [9, 0, 0, 0, 0.1]], 0.5) is None
     m = rs.run_metrics(rec, 0.45, {"measured": 1.0, "paper": 5.3})
     assert m["tokens_to_target"] == 6000
     assert m["compute_to_target@measured"] == 1024 + 256
@@ -181,9 +186,14 @@ def test_report_tables_best_cell_and_saving(tmp_path):
     for name, hitpt in shapes.items():
         for seed in range(4):
             jitter = 1 + 0.05 * seed
-            if hitpt:
+            if hitpt:  # smoothed: 0.25, 0.37, 0.5, 0.6: the target at the third eval
                 uses, rollouts = hitpt[0] * jitter, hitpt[1] * jitter
-                curve = [[0, 0, 0, 0, 0.2], [1, rollouts * 25, rollouts, uses, 0.55]]
+                curve = [
+                    [0, 0, 0, 0, 0.2],
+                    [1, 10, 1, 1, 0.3],
+                    [2, rollouts * 25, rollouts, uses, 0.6],
+                    [3, 9e4, 4e3, 9e3, 0.6],
+                ]
             else:
                 curve = [[0, 0, 0, 0, 0.2], [1, 5000, 200, 3200, 0.3]]
             rec = _record(name, seed, f"h-{name}-{seed}", curve=curve, mu=1.0)
@@ -224,18 +234,28 @@ def _record(cell, seed, digest, curve=None, mu=1.1):
 
 # -- one tiny real cell -------------------------------------------------------------------------
 TINY = [
-    "--budget-rounds", "2", "--evals", "1", "--eval-prompts", "4", "--passk-prompts", "2",
+    "--budget-rounds", "2", "--evals", "2", "--eval-prompts", "4", "--passk-prompts", "2",
     "--passk-samples", "4", "--warm-steps", "2", "--prompts-per-round", "2", "--group-size",
     "4", "--batch-size", "8",
 ]  # fmt: skip
 
 
-def test_one_tiny_cell_runs_caches_and_resumes(tmp_path, capsys):
+@pytest.fixture
+def keep_torch_threads():
+    import torch
+
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)  # the sweep sets 1 thread per run
+
+
+def test_one_tiny_cell_runs_caches_and_resumes(tmp_path, capsys, keep_torch_threads):
     args = ["--run-root", str(tmp_path), "--cells", "ppo-y2-n4", "--seeds", "0", *TINY]
     assert rs.main(args) == 0
     data = json.loads((tmp_path / "cache.json").read_text())
     rec = data["runs"]["ppo-y2-n4/s0"]
-    # y = 2 with R = B = 8: 2 steps per round; equal compute at mu 1: ceil(2 x 2 / 3) = 2 rounds.
+    # y = 2 with R = B = 8: 2 steps per round; equal compute at mu 5.3: ceil(2 x 6.3 / 7.3) = 2
+    # rounds, an eval after each.
     assert (rec["steps"], rec["rollouts"], rec["uses"]) == (4, 16, 32)
     assert 0.0 <= rec["pass1"] <= rec["pass4"] <= 1.0 and rec["mu"] > 0
     assert [p[0] for p in rec["curve"]] == [0, 2, 4]

@@ -109,13 +109,13 @@ TASK = {
 # Pilot (see the module docstring): per-rollout and per-step costs that --plan uses until the
 # cache holds runs of its own. Measured with 2 runs in parallel, 1 torch thread each.
 PILOT = {
-    "gen_s_per_rollout": 0.0095,  # sampling + scoring + embedding + store append
-    "train_s_per_pass": 0.58,  # one learner pass over a batch of 64 (the draw + the step)
-    "overhead_s": 28.0,  # start, model loads, 11 evals, pass@k sampling, checkpoint
-    "warm_s": 70.0,  # the warm start (once)
-    "mu": 1.1,
-    "cpu_share": 1.0,
-    "loaded": True,  # measured while 3 other workers shared the 2 cores: inflated
+    "gen_s_per_rollout": 0.0168,  # sampling + scoring + embedding + store append
+    "train_s_per_pass": 0.99,  # one learner pass over a batch of 64 (the draw + the step)
+    "overhead_s": 62.0,  # start, model load, evals, checkpoint, pass@k sampling
+    "warm_s": 69.0,  # the warm start (once)
+    "mu": 1.08,
+    "cpu_share": 0.26,  # CPU seconds / wall seconds of a run: the cores were shared
+    "loaded": True,
 }
 
 
@@ -168,9 +168,9 @@ class Sizing:
     prompts_per_round: int = 8
     group_size: int = 8
     batch_size: int = 64
-    budget_rounds: int = 60  # compute of this many on-policy rounds, at mu_budget
+    budget_rounds: int = 90  # compute of this many on-policy rounds, at mu_budget
     mu_budget: float = PAPER_MU
-    evals: int = 10
+    evals: int = 12
     eval_prompts: int = 256
     passk_prompts: int = 128
     passk_samples: int = 8
