@@ -168,6 +168,10 @@ def test_saving_is_paired_by_seed():
     p = rs.saving(base, {0: 60.0, 1: 120.0, 2: float("nan"), 3: 240.0}, n_boot=500)
     assert p["n"] == 3 and p["point"] == pytest.approx(0.4)
     assert math.isnan(rs.saving({0: 1.0}, {0: 1.0})["point"])
+    # On-policy at the target from the start (zero compute): no finite saving.
+    z = rs.saving({0: 0.0, 1: 0.0}, {0: 5.0, 1: 0.0}, n_boot=200)
+    assert z["point"] == -math.inf and "-inf" in rs.fmt_pct(z)
+    assert rs.saving({0: 0.0, 1: 0.0}, {0: 0.0, 1: 0.0}, n_boot=200)["point"] == 0.0
 
 
 def test_report_tables_best_cell_and_saving(tmp_path):
@@ -209,6 +213,7 @@ def test_report_tables_best_cell_and_saving(tmp_path):
     # mu = 1: (1200 + 300) / (1000 + 1000) -> 25% saved; mu = 5.3: (1200 + 1590) / 6300.
     assert "saving 25% [25%, 25%] (paired, 4 seeds)" in block
     assert f"saving {100 * (1 - 2790 / 6300):.0f}%" in block
+    assert "| 0.50 | 4/4 | ppo-y4-n4: 25% [25%, 25%] (paired, 4 seeds) |" in block
     text = out.read_text()
     assert text.index(rs.SWEEP_BEGIN) < text.index(rs.SWEEP_END) < text.index("old text")
     assert (tmp_path / "results_sweep_panels.png").stat().st_size > 0
