@@ -77,6 +77,28 @@ def test_select_cells_names_globs_and_all(tmp_path):
         rs.select_cells(["nothing-*"], cache, None, 0.5)
 
 
+def test_carry_task_worked_answers_and_reward():
+    from tools.carry_task import CarryAddTask, worked_answer
+
+    assert worked_answer(478, 356) == "8+6=14 7+5+1=13 4+3+1=8 so 834"
+    assert worked_answer(56, 274) == "6+4=10 5+7+1=13 0+2+1=3 so 330"
+    assert worked_answer(277, 10) == "7+0=7 7+1=8 2+0=2 so 287"
+    task = CarryAddTask()
+    prompts = task.make_prompts(50, seed=1)
+    assert prompts == task.make_prompts(50, seed=1)
+    assert {p.prompt_text for p in prompts}.isdisjoint(
+        p.prompt_text for p in task.make_eval_prompts(50, seed=1)
+    )
+    for p in prompts:
+        a, b = map(int, p.meta["expression"].split("+"))
+        assert 10 <= a < 1000 and 10 <= b < 1000 and p.meta["value"] == a + b
+        assert task.reward(p, " " + p.answer).reward == 1.0
+        assert task.reward(p, " " + p.answer.rsplit(" ", 1)[0]).reward == 0.0  # cut short
+    assert rs.build_config(BASE, rs.ONPOLICY, 0, rs.Sizing(), Path("x")).task.build().name == (
+        "carry_add"
+    )
+
+
 # -- cache and resume ---------------------------------------------------------------------------
 def test_cache_skips_finished_runs_and_survives_a_reload(tmp_path):
     sz = rs.Sizing()
