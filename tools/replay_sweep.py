@@ -872,34 +872,36 @@ def plot_curves(
     mu: float,
     target: float,
 ) -> None:
-    """Held-out reward against compute (at ``mu``) for ``cells``: the seeds' mean curve (each
-    seed interpolated onto a common grid up to the shortest seed's end) over the seeds' own."""
+    """Held-out reward against compute for ``cells``, at the measured ``mu`` (left) and at
+    mu = 5.3 (right): the seeds' mean curve (each seed interpolated onto a common grid up to
+    the shortest seed's end) over the seeds' own."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for i, cell in enumerate(cells):
-        runs = records.get(cell, {})
-        if not runs:
-            continue
-        color = f"C{i}"
-        curves = []
-        for r in runs.values():
-            xs = [compute_of(p, mu) for p in r["curve"]]
-            ys = [p[4] for p in r["curve"]]
-            ax.plot(xs, ys, color=color, alpha=0.15, lw=1)
-            curves.append((xs, ys))
-        end = min(xs[-1] for xs, _ in curves)
-        grid = np.linspace(0, end, 40)
-        mean = np.mean([np.interp(grid, xs, ys) for xs, ys in curves], axis=0)
-        ax.plot(grid, mean, color=color, lw=2, label=f"{cell.label()} ({len(runs)} seeds)")
-    ax.axhline(target, color="grey", ls="--", lw=1)
-    ax.set_xlabel(f"compute (learner passes over rollouts + {mu:.2f} x generated rollouts)")
-    ax.set_ylabel("held-out reward (trainer eval)")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
+    fig, axes = plt.subplots(1, 2, figsize=(14, 5))
+    for ax, m in zip(axes, (mu, PAPER_MU)):
+        for i, cell in enumerate(cells):
+            runs = records.get(cell, {})
+            if not runs:
+                continue
+            color = f"C{i}"
+            curves = []
+            for r in runs.values():
+                xs = [compute_of(p, m) for p in r["curve"]]
+                ys = [p[4] for p in r["curve"]]
+                ax.plot(xs, ys, color=color, alpha=0.15, lw=1)
+                curves.append((xs, ys))
+            grid = np.linspace(0, min(xs[-1] for xs, _ in curves), 40)
+            mean = np.mean([np.interp(grid, xs, ys) for xs, ys in curves], axis=0)
+            ax.plot(grid, mean, color=color, lw=2, label=f"{cell.label()} ({len(runs)} seeds)")
+        ax.axhline(target, color="grey", ls="--", lw=1)
+        ax.set_xlabel(f"compute (learner passes over rollouts + {m:.2f} x generated rollouts)")
+        ax.set_ylabel("held-out reward (trainer eval)")
+        ax.set_title(f"mu = {m:.2f}" + (" (measured)" if m == mu else " (paper)"), fontsize=10)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -919,7 +921,10 @@ def report(
     """Write the sweep's block of ``out`` (tables, savings, figures) and return it."""
     records = cache.records(hashes)
     if not records:
-        raise SystemExit("no cached runs match the current configuration: nothing to report")
+        raise SystemExit(
+            "no cached runs match the current configuration: nothing to report (pass the "
+            "sizing options the sweep ran with, e.g. --budget-rounds)"
+        )
     mu = measured_mu(records)
     summ = summarise_cells(records, target, mu, n_boot)
     runs = sum(len(r) for r in records.values())
