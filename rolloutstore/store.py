@@ -2,7 +2,9 @@
 
 Layout under the store URI (a local folder or any URI Lance accepts)::
 
-    STORE/rollouts.lance   one row per completion (schema v1, compressed token columns)
+    STORE/rollouts.lance   one row per completion or multi-turn trajectory (schema v2, or v1
+                           for older stores: read as v2, see schema_compat; compressed
+                           token columns)
     STORE/usage.lance      append-only (rollout_id, learner_step, run_id, at)
     STORE/rewards.lance    append-only re-scorings (rollout_id, reward_version, reward, ...)
 
@@ -36,7 +38,7 @@ import numpy as np
 import pyarrow as pa
 from lance.fragment import write_fragments
 
-from . import layout, maintenance, side_tables
+from . import layout, maintenance, schema_compat, side_tables
 from . import schema as S
 from .errors import DiskFullError, ReadOnlyError, SchemaError, StoreNotFoundError, ValidationError
 from .gc import DEFAULT_MIN_AGE, GcResult, collect_store, discard_fragments, references_any
@@ -88,6 +90,8 @@ class RolloutStore:
             ds, good, bad = maintenance.open_newest_readable(self.uri, self._open_ds, exc)
             self._pinned, self._ds_cache, self._torn = good, ds, (bad, good)
         _, self.embedding_dim = S.read_metadata(ds.schema)
+        # The schema rows are read and appended in (the newest); an older store's rows are
+        # presented in it (schema_compat). ``schema_version`` is what the store holds.
         self.schema = S.rollout_schema(self.embedding_dim)
 
     # -- opening -----------------------------------------------------------------------
@@ -175,6 +179,11 @@ class RolloutStore:
         return self._rollouts().version
 
     @property
+    def schema_version(self) -> int:
+        """The rollout schema version this store version was written with (1 or 2)."""
+        return schema_compat.stored_version(self._rollouts().schema)
+
+    @property
     def read_only(self) -> bool:
         return self._pinned is not None
 
@@ -221,7 +230,9 @@ class RolloutStore:
         if on_duplicate not in ("error", "skip"):
             raise ValueError(f"on_duplicate must be 'error' or 'skip', got {on_duplicate!r}")
         target = join(self.uri, ROLLOUTS)
-        read_version = self._rollouts().version
+        ds = self._rollouts()
+        read_version, stored = ds.version, schema_compat.stored_version(ds.schema)
+        stored_schema = S.rollout_schema(self.embedding_dim, stored)
         ids = IdCheck(lambda: self._open_ds(ROLLOUTS), on_duplicate)
         fragments: list = []
         rows = seen = 0
@@ -231,6 +242,7 @@ class RolloutStore:
                 given = gives_ids(chunk)
                 try:
                     table = prepare(chunk, self.schema, unique_ids=False)
+                    table = schema_compat.to_stored(table, stored, self.embedding_dim, self.uri)
                     table = ids.filter(table, given)
                 except ValidationError as exc:
                     if seen and exc.row is not None:
@@ -244,7 +256,7 @@ class RolloutStore:
                 fragments += write_fragments(
                     table,
                     target,
-                    schema=self.schema,
+                    schema=stored_schema,
                     storage_options=self.storage_options,
                     max_rows_per_file=1 << 20,
                 )
@@ -349,13 +361,16 @@ class RolloutStore:
         ``lineage``, ``rewards`` and ``rollouts_scored``."""
         from .sql import connect
 
+        ds = self._rollouts()
+        # The dataset is `rollouts_stored`; the `rollouts` view shows it in the current schema.
         return connect(
             {
-                "rollouts": self._rollouts(),
+                "rollouts_stored": ds,
                 "usage": self.usage_dataset(),
                 "lineage": self._lineage(),
                 "rewards": self.rewards_table(),
-            }
+            },
+            rollouts_view=schema_compat.ROLLOUTS_VIEW[schema_compat.stored_version(ds.schema)],
         )
 
     def rewards_table(self) -> lance.LanceDataset | pa.Table:
@@ -400,7 +415,16 @@ class RolloutStore:
         self, row_ids: Sequence[int] | np.ndarray, columns: list[str] | None = None
     ) -> pa.Table:
         """Rows by position (row offsets in this store version), in the order given."""
-        return self._rollouts().take(np.asarray(row_ids, dtype=np.int64), columns=columns)
+        ds = self._rollouts()
+        t = ds.take(
+            np.asarray(row_ids, dtype=np.int64),
+            columns=schema_compat.read_columns(columns, ds.schema),
+        )
+        return self._present(t, columns)
+
+    def _present(self, t: pa.Table, columns) -> pa.Table:
+        """Rows read from the dataset as every read shows them (see schema_compat)."""
+        return schema_compat.present(t, columns, self.schema)
 
     def take_rows(
         self, row_addresses: Sequence[int] | np.ndarray, columns: list[str] | None = None
@@ -411,7 +435,9 @@ class RolloutStore:
             return self.schema.empty_table().select(columns or self.schema.names)
         uniq, inverse = np.unique(addr, return_inverse=True)
         # Lance reads sorted addresses fastest; restore the caller's order (and repeats) after.
-        table = self._rollouts()._take_rows(uniq.tolist(), columns=columns)
+        ds = self._rollouts()
+        table = ds._take_rows(uniq.tolist(), columns=schema_compat.read_columns(columns, ds.schema))
+        table = self._present(table, columns)
         return table.take(pa.array(inverse.astype(np.int64)))
 
     def stats(self) -> dict[str, Any]:
