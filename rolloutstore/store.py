@@ -304,6 +304,13 @@ class RolloutStore:
         self._ds_cache = None
         return out
 
+    def migrate(self):
+        """Upgrade a schema-v1 store to the current schema in one atomic commit (a no-op on a
+        current one); returns :class:`rolloutstore.migrate.MigrateResult`."""
+        from .migrate import migrate
+
+        return migrate(self)
+
     def gc(
         self,
         *,
