@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import lance
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -126,6 +127,27 @@ def present(table: pa.Table, columns: Sequence[str] | None, schema: pa.Schema) -
             table = table.set_column(i, schema.field(name), _ones(table, given.type, given))
     extra = [c for c in table.column_names if c not in schema.names and c not in wanted]
     return table.select(wanted + extra)
+
+
+def take(
+    ds: lance.LanceDataset, schema: pa.Schema, row_ids, columns: Sequence[str] | None
+) -> pa.Table:
+    """Rows of ``ds`` by position, as every read shows them (``schema``: the current one)."""
+    ids = np.asarray(row_ids, dtype=np.int64)
+    return present(ds.take(ids, columns=read_columns(columns, ds.schema)), columns, schema)
+
+
+def take_rows(
+    ds: lance.LanceDataset, schema: pa.Schema, row_addresses, columns: Sequence[str] | None
+) -> pa.Table:
+    """Rows of ``ds`` by Lance row address, in the order given, as every read shows them."""
+    addr = np.asarray(row_addresses, dtype=np.uint64)
+    if addr.size == 0:
+        return schema.empty_table().select(list(columns or schema.names))
+    uniq, inverse = np.unique(addr, return_inverse=True)
+    # Lance reads sorted addresses fastest; restore the caller's order (and repeats) after.
+    table = ds._take_rows(uniq.tolist(), columns=read_columns(columns, ds.schema))
+    return present(table, columns, schema).take(pa.array(inverse.astype(np.int64)))
 
 
 def to_stored(table: pa.Table, version: int, embedding_dim: int, uri: str) -> pa.Table:

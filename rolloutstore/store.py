@@ -2,9 +2,8 @@
 
 Layout under the store URI (a local folder or any URI Lance accepts)::
 
-    STORE/rollouts.lance   one row per completion or multi-turn trajectory (schema v2, or v1
-                           for older stores: read as v2, see schema_compat; compressed
-                           token columns)
+    STORE/rollouts.lance   one row per completion or trajectory (schema v2; a v1 store reads
+                           as v2, see schema_compat), compressed token columns
     STORE/usage.lance      append-only (rollout_id, learner_step, run_id, at)
     STORE/rewards.lance    append-only re-scorings (rollout_id, reward_version, reward, ...)
 
@@ -304,13 +303,6 @@ class RolloutStore:
         self._ds_cache = None
         return out
 
-    def migrate(self):
-        """Upgrade a schema-v1 store to the current schema in one atomic commit (a no-op on a
-        current one); returns :class:`rolloutstore.migrate.MigrateResult`."""
-        from .migrate import migrate
-
-        return migrate(self)
-
     def gc(
         self,
         *,
@@ -422,30 +414,13 @@ class RolloutStore:
         self, row_ids: Sequence[int] | np.ndarray, columns: list[str] | None = None
     ) -> pa.Table:
         """Rows by position (row offsets in this store version), in the order given."""
-        ds = self._rollouts()
-        t = ds.take(
-            np.asarray(row_ids, dtype=np.int64),
-            columns=schema_compat.read_columns(columns, ds.schema),
-        )
-        return self._present(t, columns)
-
-    def _present(self, t: pa.Table, columns) -> pa.Table:
-        """Rows read from the dataset as every read shows them (see schema_compat)."""
-        return schema_compat.present(t, columns, self.schema)
+        return schema_compat.take(self._rollouts(), self.schema, row_ids, columns)
 
     def take_rows(
         self, row_addresses: Sequence[int] | np.ndarray, columns: list[str] | None = None
     ) -> pa.Table:
         """Rows by Lance row address (``_rowaddr`` of this store version), in the order given."""
-        addr = np.asarray(row_addresses, dtype=np.uint64)
-        if addr.size == 0:
-            return self.schema.empty_table().select(columns or self.schema.names)
-        uniq, inverse = np.unique(addr, return_inverse=True)
-        # Lance reads sorted addresses fastest; restore the caller's order (and repeats) after.
-        ds = self._rollouts()
-        table = ds._take_rows(uniq.tolist(), columns=schema_compat.read_columns(columns, ds.schema))
-        table = self._present(table, columns)
-        return table.take(pa.array(inverse.astype(np.int64)))
+        return schema_compat.take_rows(self._rollouts(), self.schema, row_addresses, columns)
 
     def stats(self) -> dict[str, Any]:
         """Size, tokens, compression, policy-version histogram, reward by version, reuse."""
