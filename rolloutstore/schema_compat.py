@@ -33,7 +33,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from . import schema as S
-from .errors import ValidationError
+from .errors import RolloutStoreError, SchemaVersionError, ValidationError
 
 # The columns v2 adds (at the end of the schema, in this order).
 V2_COLUMNS = ("loss_mask", "turns", "num_turns", "num_model_tokens", "num_tool_calls", "tools")
@@ -177,3 +177,20 @@ def to_stored(table: pa.Table, version: int, embedding_dim: int, uri: str) -> pa
         )
     stored = S.rollout_schema(embedding_dim, version)
     return table.select(stored.names).cast(stored)
+
+
+def refuse_if_migrated(open_latest, version: int, exc: BaseException) -> None:
+    """After a failed append: raise a clear error if the store was migrated to another schema
+    version since the append read it (Lance refuses its fragments, or their commit)."""
+    if not isinstance(exc, Exception) or isinstance(exc, RolloutStoreError):
+        return  # interrupted, or refused for its own reason
+    try:
+        ds = open_latest()
+        now = stored_version(ds.schema)
+    except Exception:  # cannot tell: the original error stands
+        return
+    if now != version:
+        raise SchemaVersionError(
+            f"store {ds.uri!r} was migrated from rollout schema v{version} to v{now} while "
+            "this append was in flight; nothing of it was written: append it again"
+        ) from exc

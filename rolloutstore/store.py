@@ -89,8 +89,7 @@ class RolloutStore:
             ds, good, bad = maintenance.open_newest_readable(self.uri, self._open_ds, exc)
             self._pinned, self._ds_cache, self._torn = good, ds, (bad, good)
         _, self.embedding_dim = S.read_metadata(ds.schema)
-        # The schema rows are read and appended in (the newest); an older store's rows are
-        # presented in it (schema_compat). ``schema_version`` is what the store holds.
+        # Rows are read and appended in the newest schema (an older store's: schema_compat).
         self.schema = S.rollout_schema(self.embedding_dim)
 
     # -- opening -----------------------------------------------------------------------
@@ -277,6 +276,7 @@ class RolloutStore:
                 discard_fragments(self.uri, fragments)
             if isinstance(exc, OSError) and disk_full(exc):
                 raise DiskFullError(f"append of {seen} rows", self.uri) from exc
+            schema_compat.refuse_if_migrated(lambda: self._open_ds(ROLLOUTS), stored, exc)
             raise
         self._ds_cache = ds
         return AppendResult(rows, ds.version, ids.skipped)

@@ -176,3 +176,19 @@ def test_a_killed_migrate_leaves_the_v1_store_readable(tmp_path):
     store.gc(min_age=timedelta(0))  # collects what the killed migrate left
     assert _data_files(store) == files
     assert M.migrate(store).to_version == 2
+
+
+def test_an_append_racing_a_migrate_is_refused_clearly_and_retries(tmp_path):
+    from rolloutstore.errors import SchemaVersionError
+
+    store = v1_store(tmp_path / "v1", appends=1)
+    other = RolloutStore.open(store.uri)
+
+    def chunks():
+        M.migrate(other)  # commits after this append read the store, before it commits
+        yield make_rows(3, seed=5)
+
+    with pytest.raises(SchemaVersionError, match="migrated from rollout schema v1 to v2 while"):
+        store.append(chunks())
+    assert store.count() == 12 and store.schema_version == 2
+    assert store.append(make_rows(3, seed=5)).rows == 3  # the retry writes v2 rows
