@@ -145,7 +145,8 @@ def connect(
         con.execute(rollouts_view)
     if "rollouts" in datasets or rollouts_view is not None:
         con.execute(GROUPS_VIEW)
-        con.execute(TURNS_VIEW)
+        if rollouts_view is not None:  # a store's rollouts, in the current schema
+            con.execute(TURNS_VIEW)
         if "rewards" in datasets:
             con.execute(SCORED_VIEW)
     con.execute("SET lock_configuration = true")

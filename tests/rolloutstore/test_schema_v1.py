@@ -192,3 +192,12 @@ def test_an_append_racing_a_migrate_is_refused_clearly_and_retries(tmp_path):
         store.append(chunks())
     assert store.count() == 12 and store.schema_version == 2
     assert store.append(make_rows(3, seed=5)).rows == 3  # the retry writes v2 rows
+
+
+def test_maintenance_works_on_a_v1_store(tmp_path):
+    store = v1_store(tmp_path / "v1")
+    assert store.evict(keep_last=20).rows_left == 20
+    store.compact()
+    st = store.stats()
+    assert st["rows"] == 20 and store.schema_version == 1
+    assert store.sql("SELECT count(*) AS n FROM turns")["n"][0].as_py() == 20
