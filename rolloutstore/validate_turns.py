@@ -267,11 +267,17 @@ def _logprobs(lp: pa.Array, mask: pa.Array, c_len: np.ndarray) -> pa.Array:
 
 
 def _tools(turns: _Turns, n: int) -> pa.Array:
-    names: list[set[str]] = [set() for _ in range(n)]
+    names: dict[int, set[str]] = {}
     for r, role, tool in zip(turns.row, turns.role, turns.tool):
         if role == "tool" and tool is not None:
-            names[r].add(tool)
-    return pa.array([sorted(s) for s in names], pa.list_(pa.string()))
+            names.setdefault(int(r), set()).add(tool)
+    lengths = np.zeros(n, np.int64)
+    values: list[str] = []
+    for r in sorted(names):
+        lengths[r] = len(names[r])
+        values += sorted(names[r])
+    offsets = pa.array(_offsets(lengths).astype(np.int32))
+    return pa.ListArray.from_arrays(offsets, pa.array(values, pa.string()))
 
 
 def _refuse_different(cols: dict, name: str, derived: pa.Array, how: str) -> None:
@@ -296,6 +302,26 @@ def _refuse_different(cols: dict, name: str, derived: pa.Array, how: str) -> Non
         )
 
 
+def _model_tokens(mask: pa.Array | None, c_len: np.ndarray) -> np.ndarray:
+    """Each row's number of mask-1 tokens (``mask`` None: every token)."""
+    if mask is None:
+        return c_len.astype(np.int64)
+    v = pc.list_flatten(mask).to_numpy(zero_copy_only=False).astype(np.int64)
+    starts = _offsets(c_len)
+    sums = np.r_[0, np.cumsum(v)]
+    return sums[starts[1:]] - sums[starts[:-1]]
+
+
+def _stored_mask(mask: pa.Array | None, all_ones: np.ndarray) -> pa.Array:
+    """Stored null when all ones (what every read shows it as): Lance stores a constant list
+    at ~2 bytes per token, a null row at almost nothing."""
+    if mask is None or all_ones.all():
+        return pa.nulls(len(all_ones), MASK_TYPE)
+    if not all_ones.any():
+        return mask
+    return pa.ListArray.from_arrays(mask.offsets, mask.values, MASK_TYPE, mask=pa.array(all_ones))
+
+
 def prepare_turns(cols: dict[str, pa.Array], c_len: np.ndarray) -> None:
     """Check and complete ``cols``' multi-turn columns in place (see the module docstring).
 
@@ -303,20 +329,21 @@ def prepare_turns(cols: dict[str, pa.Array], c_len: np.ndarray) -> None:
     log-prob per completion token (checked before); ``c_len`` the completion lengths.
     """
     n = len(c_len)
-    mask = _loss_mask(cols.get("loss_mask"), c_len)
+    given = cols.get("loss_mask")
+    single = (given is None or given.null_count == n) and (
+        cols.get("turns") is None or cols["turns"].null_count == n
+    )  # single-turn rows only (the common case): every token is the model's
+    mask = None if single else _loss_mask(given, c_len)
     turns = _Turns(cols.get("turns"), n)
     turns.check(c_len)
-    _check_mask_in_assistant(mask, turns, c_len)
-    cols["behavior_logprobs"] = _logprobs(cols["behavior_logprobs"], mask, c_len)
-    cols["loss_mask"] = mask
-    mask_parent = pc.list_parent_indices(mask).to_numpy(zero_copy_only=False)
-    mask_vals = pc.list_flatten(mask).to_numpy(zero_copy_only=False).astype(np.int64)
+    if mask is not None:
+        _check_mask_in_assistant(mask, turns, c_len)
+    ones = _ones(c_len) if mask is None else mask
+    cols["behavior_logprobs"] = _logprobs(cols["behavior_logprobs"], ones, c_len)
+    model_tokens = _model_tokens(mask, c_len)
     derived = {
         "num_turns": (np.where(turns.null, 1, turns.count), "len(turns) (1 when null)"),
-        "num_model_tokens": (
-            np.bincount(mask_parent, weights=mask_vals, minlength=n),
-            "sum(loss_mask)",
-        ),
+        "num_model_tokens": (model_tokens, "sum(loss_mask)"),
         "num_tool_calls": (
             np.bincount(turns.row[turns.role == "tool"], minlength=n),
             "the number of tool turns",
@@ -326,13 +353,7 @@ def prepare_turns(cols: dict[str, pa.Array], c_len: np.ndarray) -> None:
         arr = pa.array(np.asarray(values).astype(np.int32))
         _refuse_different(cols, name, arr, how)
         cols[name] = arr
-    # Stored null when all ones (what every read shows it as): Lance stores a constant list
-    # at ~2 bytes per token, a null row at almost nothing.
-    all_ones = derived["num_model_tokens"][0] == c_len
-    if all_ones.any():
-        cols["loss_mask"] = pa.ListArray.from_arrays(
-            mask.offsets, mask.values, MASK_TYPE, mask=pa.array(all_ones)
-        )
+    cols["loss_mask"] = _stored_mask(mask, model_tokens == c_len)
     tools = _tools(turns, n)
     _refuse_different(cols, "tools", tools, "the sorted tool names of the tool turns")
     cols["tools"] = tools
