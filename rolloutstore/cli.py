@@ -12,6 +12,7 @@ rolloutstore compact STORE [--cleanup-older-than-hours H]
 rolloutstore gc STORE [--min-age-hours 1] [--exports DIR ...] [--dry-run]
 rolloutstore evict STORE (--keep N | --older-than-hours H | --min-policy-version V)
 rolloutstore evict STORE --keep N --preserve-diversity [--reserve F] [--clusters K]
+rolloutstore migrate STORE
 rolloutstore schema
 rolloutstore demo [RUN_DIR]
 
@@ -125,6 +126,7 @@ def cmd_export(a) -> None:
         min_margin=a.min_margin,
         progress=not a.quiet,
         timeout=a.timeout,
+        tokenizer=a.tokenizer,
     )
     print(f"exported {r.rows} rows ({a.as_}, {fmt}) to {r.path}")
 
@@ -214,7 +216,8 @@ def _add_query_commands(sub) -> None:
     p.set_defaults(func=cmd_sql)
 
     p = sub.add_parser(
-        "export", help="stream rollouts, or SFT / DPO data from them, to Parquet, JSONL or HF"
+        "export",
+        help="stream rollouts, or SFT / DPO / chat data from them, to Parquet, JSONL or HF",
     )
     p.add_argument("store")
     p.add_argument("out", help="output file (a folder for --format hf)")
@@ -229,7 +232,15 @@ def _add_query_commands(sub) -> None:
     )
     p.add_argument("--param", action="append", default=[], help="value for the next ? in --where")
     p.add_argument("--columns", default=None, help="comma-separated output columns (default all)")
-    p.add_argument("--as", dest="as_", choices=["rollouts", "sft", "dpo"], default="rollouts")
+    p.add_argument(
+        "--as", dest="as_", choices=["rollouts", "sft", "dpo", "messages"], default="rollouts"
+    )
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="DIR",
+        help="messages: decode each turn of multi-turn rows with this tokenizer folder",
+    )
     p.add_argument(
         "--min-reward",
         type=float,

@@ -1,5 +1,6 @@
 """The ``rolloutstore`` commands that inspect and maintain a store: ``stats``, ``versions``,
-``compact``, ``gc``, ``evict``, ``schema`` and ``demo``; their arguments and handlers."""
+``compact``, ``gc``, ``evict``, ``migrate``, ``schema`` and ``demo``; their arguments and
+handlers."""
 
 from __future__ import annotations
 
@@ -76,6 +77,12 @@ def cmd_evict(a) -> None:
         print(format_report(r.coverage))
 
 
+def cmd_migrate(a) -> None:
+    from .migrate import migrate
+
+    print(migrate(open_store(a.store)).describe())
+
+
 def cmd_schema(a) -> None:
     from .schema import describe
 
@@ -146,6 +153,12 @@ def add_maintenance_commands(sub) -> None:
 
     add_dataclass_args(p, RetentionConfig)
     p.set_defaults(func=cmd_evict)
+
+    p = sub.add_parser(
+        "migrate", help="upgrade a store to the current rollout schema (v1 -> v2, one commit)"
+    )
+    p.add_argument("store")
+    p.set_defaults(func=cmd_migrate)
 
     p = sub.add_parser("schema", help="print the rollout schema")
     p.set_defaults(func=cmd_schema)

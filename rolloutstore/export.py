@@ -35,6 +35,13 @@ of ``{"role", "content"}`` turns and ``sft`` adds ``messages`` (prompt turns + c
     ``chosen_reward - rejected_reward >= min_margin`` (default 0.5). Groups with
     fewer than two scored rows give no pair. Sorted by group_id.
 
+``messages``
+    one conversation per rollout in the OpenAI / TRL conversational format (a ``messages``
+    column of ``{"role", "content"}`` turns: the prompt's, then one per completion turn)
+    plus ``reward``, ``rollout_id``, ``prompt_id``, ``num_turns``; multi-turn trajectories
+    without stored per-turn text need ``tokenizer`` (:mod:`rolloutstore.export_messages`).
+``rollouts`` keeps every column, ``loss_mask`` and ``turns`` included.
+
 ``where`` is a filter only, applied to ``rollouts`` before shaping: it runs as
 ``... FROM rollouts WHERE (<where>)`` with ``params`` bound to its ``?``
 placeholders, and must be one boolean expression over the store's columns
@@ -247,6 +254,7 @@ def export(
     min_margin: float | None = None,
     progress: bool = True,
     timeout: float | None = None,
+    tokenizer: str | os.PathLike | None = None,
 ) -> ExportResult:
     """Write ``store``'s rows (shaped by ``as_``) to ``out``; see the module docstring.
 
@@ -254,7 +262,9 @@ def export(
     that ``datasets.load_from_disk`` opens); by default the one ``out``'s extension
     names (.parquet, .jsonl, .jsonl.zst), else ``parquet``. A format that contradicts
     the extension is refused. ``min_reward`` applies to ``sft`` only,
-    ``min_margin`` (default 0.5) to ``dpo`` only. Returns the rows written and the path.
+    ``min_margin`` (default 0.5) to ``dpo`` only, ``tokenizer`` (a tokenizer folder, to
+    decode the turns of multi-turn rows) to ``messages`` only. Returns the rows written and
+    the path.
     """
     path = check_output_path(out, what="export output")
     format = _resolve_format(path, format)
@@ -263,7 +273,14 @@ def export(
         where = check_where(where, store.schema.names, n_params=len(params or []))
     elif params:
         raise QueryError(f"{len(params)} params given but no --where to bind them to")
-    shaped = shape_query(store, as_, columns, where, params, min_reward, min_margin, timeout)
+    if tokenizer is not None and as_ != "messages":
+        raise ExportError(f"--tokenizer applies to --as messages only, found --as {as_}")
+    if as_ == "messages":
+        from .export_messages import messages_query
+
+        shaped = messages_query(store, columns, where, params, tokenizer)
+    else:
+        shaped = shape_query(store, as_, columns, where, params, min_reward, min_margin, timeout)
     parent = _prepare_target(path, format)
     return ExportResult(_write(store, shaped, path, format, parent, progress, timeout), path)
 
@@ -351,6 +368,8 @@ def _write(
                         continue
                     if plan.chat:
                         b = chat_batch(b, schema, plan.shape)
+                    elif plan.transform is not None:
+                        b = plan.transform(b)
                     b = pa.Table.from_batches([b]).rename_columns(schema.names).cast(schema)
                     for part in b.to_batches():
                         rows += part.num_rows

@@ -6,7 +6,7 @@ schema, the DuckDB query that shapes the rows, and conversational (chat-turn) co
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -19,7 +19,8 @@ from .query_limits import limits
 if TYPE_CHECKING:
     from .store import RolloutStore
 
-ExportShape = Literal["rollouts", "sft", "dpo"]
+# "messages" (conversations in the OpenAI / TRL format) is built by export_messages.py.
+ExportShape = Literal["rollouts", "sft", "dpo", "messages"]
 
 # Output columns in TRL's dataset names (trl docs, "Dataset formats and types": prompt-completion
 # {"prompt", "completion"}, preference {"prompt", "chosen", "rejected"}, conversational
@@ -197,7 +198,8 @@ def chat_batch(b: pa.RecordBatch, schema: pa.Schema, shape: ExportShape) -> pa.R
 @dataclass(frozen=True)
 class ShapedQuery:
     """The rows of one export: the query (and its row count), its arguments (the where's
-    params, then the shape's threshold), the output schema, and whether rows are chat turns."""
+    params, then the shape's threshold), the output schema, whether rows are chat turns,
+    and a transform of each query batch into output rows (None: the query's rows as is)."""
 
     shape: ExportShape
     query: str
@@ -205,6 +207,7 @@ class ShapedQuery:
     args: list[Any]
     schema: pa.Schema
     chat: bool
+    transform: Callable[[pa.RecordBatch], pa.RecordBatch] | None = None
 
 
 def shape_query(

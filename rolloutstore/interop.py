@@ -1,4 +1,4 @@
-"""Text rollouts from other frameworks (verl, TRL, OpenAI chat JSONL) as schema-v1 rows.
+"""Text rollouts from other frameworks (verl, TRL, OpenAI chat JSONL) as rollout rows.
 
     rolloutstore ingest STORE FILE --from verl|trl|openai --score-with MODEL_DIR
                  [--tokenizer DIR] [--chat-template] [--advantages grpo|drgrpo|none]
@@ -19,6 +19,14 @@ entry point (``f(options) -> RowTransformer | None``; the trainer registers one,
 ``completion_ids``, ``behavior_logprobs`` (recomputed teacher-forced with the given
 sampling settings, ``logprobs_mode = "recomputed"``) and supplies the group advantage
 function. The file is read twice: once for the groups, once to convert and append.
+
+Multi-turn OpenAI chats (more messages after the first assistant turn: tool results, user
+follow-ups, further assistant turns) become ONE multi-turn trajectory row (schema v2): the
+prompt is the messages before the first assistant turn, the completion everything after
+it, with ``loss_mask`` 1 on the assistant turns' tokens only and ``turns`` filled; the
+transformer places the token boundaries (trainer/rollout/text_import.py documents how).
+The completion's messages are kept in ``metadata.completion_messages`` (beside the prompt's
+``metadata.messages``) for ``export --as messages``.
 """
 
 from __future__ import annotations
@@ -80,7 +88,8 @@ class RowTransformer(Protocol):
 
 
 # -- presets: one framework row -> a text row -------------------------------------------------
-# Text-row keys: prompt (str) | prompt_messages (list of {"role", "content"}), completion (str),
+# Text-row keys: prompt (str) | prompt_messages (list of {"role", "content"}), completion (str)
+# | completion_messages (a multi-turn trajectory's messages, from the first assistant turn),
 # reward, advantage, step, reward_info (dict), metadata (dict), and schema columns kept as is.
 KEEP = ("rollout_id", "run_id", "group_id", "sample_index", "policy_version", "finish_reason")
 
@@ -152,24 +161,39 @@ def _trl(row: dict[str, Any], ignore_unknown: bool) -> dict[str, Any]:
     return out
 
 
+TURN_ROLES = ("assistant", "tool", "user", "system")
+
+
 def _openai(row: dict[str, Any], ignore_unknown: bool) -> dict[str, Any]:
     # OpenAI chat fine-tuning JSONL: {"messages": [{"role": "system"|"user"|"assistant",
-    # "content": ...}, ...]} per line. The last message is the completion and must be the
-    # assistant's; the turns before it are the prompt. The format has no reward: a
-    # top-level "reward" (and "advantage") is read when present (our extension).
+    # "content": ...}, ...]} per line. The turns before the first assistant turn are the
+    # prompt; the assistant turn is the completion when it is the last message, else the
+    # completion is a multi-turn trajectory of every message from it on (assistant, tool,
+    # user, system turns). The format has no reward: a top-level "reward" (and "advantage")
+    # is read when present (our extension).
     msgs = _messages(row.get("messages"), "messages")
-    if len(msgs) < 2 or msgs[-1].get("role") != "assistant":
+    first = next((i for i, m in enumerate(msgs) if m.get("role") == "assistant"), None)
+    if first is None or first == 0:
         raise ValidationError(
-            "expected the last message to be the assistant's completion after at least one "
-            "prompt turn",
+            "expected an assistant turn (the completion) after at least one prompt turn",
             field="messages",
         )
     out = {
-        "prompt_messages": msgs[:-1],
-        "completion": str(msgs[-1].get("content") or ""),
+        "prompt_messages": msgs[:first],
         "reward": row.get("reward"),
         "advantage": row.get("advantage"),
     }
+    if first == len(msgs) - 1:
+        out["completion"] = str(msgs[-1].get("content") or "")
+    else:
+        bad = next((m["role"] for m in msgs[first:] if m["role"] not in TURN_ROLES), None)
+        if bad is not None:
+            raise ValidationError(
+                f"unknown role {bad!r} after the first assistant turn; expected one of "
+                f"{', '.join(TURN_ROLES)}",
+                field="messages",
+            )
+        out["completion_messages"] = msgs[first:]
     known = {"messages", "reward", "advantage", *KEEP}
     _refuse_unknown(
         {k: v for k, v in row.items() if k not in known}, ignore_unknown, "OpenAI chat JSONL"
@@ -298,6 +322,11 @@ class TextImporter:
                 t["run_id"] = self.options.run_id
             if t.get("prompt_messages"):  # kept for `export --as sft|dpo` (TRL chat format)
                 t["metadata"] = {**(t.get("metadata") or {}), "messages": t["prompt_messages"]}
+            if t.get("completion_messages"):  # and a trajectory's turns, for --as messages
+                t["metadata"] = {
+                    **(t.get("metadata") or {}),
+                    "completion_messages": t["completion_messages"],
+                }
             for name in ("reward_info", "metadata"):
                 if isinstance(t.get(name), (dict, list)):
                     t[name] = json.dumps(t[name], ensure_ascii=False)

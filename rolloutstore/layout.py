@@ -40,13 +40,19 @@ def exists(uri: str, storage_options: dict | None) -> bool:
         return False
 
 
-def create(uri: str, embedding_dim: int, storage_options: dict | None) -> None:
+def create(
+    uri: str,
+    embedding_dim: int,
+    storage_options: dict | None,
+    schema_version: int = S.SCHEMA_VERSION,
+) -> None:
     """Create the empty rollouts and usage datasets of a new store at ``uri`` (those that
-    another process has not created already)."""
+    another process has not created already). ``schema_version``: the current one; an older
+    one only to test reading and migrating stores that older releases wrote."""
     if is_local(uri):
         os.makedirs(uri.removeprefix("file://"), exist_ok=True)
     for name, sch in (
-        (ROLLOUTS, S.rollout_schema(embedding_dim)),
+        (ROLLOUTS, S.rollout_schema(embedding_dim, schema_version)),
         (USAGE, S.table_schema("usage")),
     ):
         target = join(uri, name)

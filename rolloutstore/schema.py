@@ -1,9 +1,14 @@
-"""The rollout schema, built from ``schemas/rollout.v1.json`` (the single source of truth).
+"""The rollout schema, built from ``schemas/rollout.v2.json`` (the single source of truth).
 
 The JSON file names every column with its Arrow type, nullability, default and a
 one-line description. This module turns it into a ``pyarrow.Schema`` for a given
 embedding dimension, carrying the schema version and the dimension as schema
 metadata so that every Lance dataset records what wrote it.
+
+New stores are written with :data:`SCHEMA_VERSION` (2: multi-turn trajectories). Stores
+written with an older version (``rollout.v1.json``) still open; how their rows are read
+and appended is :mod:`rolloutstore.schema_compat`, and ``rolloutstore migrate`` upgrades
+them (:mod:`rolloutstore.migrate`). A newer version than this code knows is refused.
 """
 
 from __future__ import annotations
@@ -18,7 +23,9 @@ import pyarrow as pa
 
 from .errors import SchemaError, SchemaVersionError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+# Versions this code opens (and appends to); older ones are read as the current one.
+READABLE_VERSIONS = (1, 2)
 DEFAULT_EMBEDDING_DIM = 64
 # The JSON lives in the repo's top-level schemas/ and is installed as rolloutstore/schemas/
 # (package data, pyproject's package-dir). A source checkout (PYTHONPATH, editable
@@ -31,6 +38,7 @@ META_EMBEDDING_DIM = b"rolloutstore.embedding_dim"
 
 _SCALARS: dict[str, pa.DataType] = {
     "string": pa.string(),
+    "int8": pa.int8(),
     "int32": pa.int32(),
     "int64": pa.int64(),
     "float32": pa.float32(),
@@ -80,17 +88,40 @@ def columns(version: int = SCHEMA_VERSION) -> tuple[ColumnSpec, ...]:
 
 
 def _arrow_type(name: str, embedding_dim: int, encoding: dict | None) -> pa.DataType:
+    name = name.strip()
     if name in _SCALARS:
         return _SCALARS[name]
     m = re.fullmatch(r"list<(.+)>", name)
     if m:
         meta = {f"lance-encoding:{k}": str(v) for k, v in (encoding or {}).items()}
         # Lance reads per-column compression from the list's child field.
-        return pa.list_(pa.field("item", _SCALARS[m.group(1)], metadata=meta or None))
+        item = _arrow_type(m.group(1), embedding_dim, None)
+        return pa.list_(pa.field("item", item, metadata=meta or None))
+    m = re.fullmatch(r"struct<(.+)>", name)
+    if m:
+        fields = []
+        for part in _split_fields(m.group(1)):
+            fname, sep, ftype = part.partition(":")
+            if not sep:
+                raise SchemaError(f"struct field {part!r} in {name!r} has no type")
+            fields.append(pa.field(fname.strip(), _arrow_type(ftype, embedding_dim, None)))
+        return pa.struct(fields)
     m = re.fullmatch(r"fixed_size_list<(.+)>\[embedding_dim\]", name)
     if m:
         return pa.list_(_SCALARS[m.group(1)], embedding_dim)
     raise SchemaError(f"unknown type {name!r} in the schema file")
+
+
+def _split_fields(text: str) -> list[str]:
+    """``a: int32, b: list<struct<x: int8, y: int8>>`` split at its top-level commas."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += {"<": 1, ">": -1}.get(ch, 0)
+        if ch == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    parts.append(text[start:])
+    return [p.strip() for p in parts if p.strip()]
 
 
 def _schema(cols, metadata: dict[bytes, bytes] | None, embedding_dim: int) -> pa.Schema:
@@ -106,15 +137,18 @@ def _schema(cols, metadata: dict[bytes, bytes] | None, embedding_dim: int) -> pa
     return pa.schema(fields, metadata=metadata)
 
 
-def rollout_schema(embedding_dim: int = DEFAULT_EMBEDDING_DIM) -> pa.Schema:
-    """Arrow schema of the ``rollouts`` table for a store of ``embedding_dim``."""
+def rollout_schema(
+    embedding_dim: int = DEFAULT_EMBEDDING_DIM, version: int = SCHEMA_VERSION
+) -> pa.Schema:
+    """Arrow schema of the ``rollouts`` table (schema ``version``) for a store of
+    ``embedding_dim``."""
     if not isinstance(embedding_dim, int) or embedding_dim < 1:
         raise SchemaError(f"embedding_dim must be a positive int, got {embedding_dim!r}")
     meta = {
-        META_VERSION: str(SCHEMA_VERSION).encode(),
+        META_VERSION: str(version).encode(),
         META_EMBEDDING_DIM: str(embedding_dim).encode(),
     }
-    return _schema(columns(), meta, embedding_dim)
+    return _schema(columns(version), meta, embedding_dim)
 
 
 def table_schema(name: str) -> pa.Schema:
@@ -132,10 +166,11 @@ def read_metadata(schema: pa.Schema) -> tuple[int, int]:
             "metadata); ingest its rows with `rolloutstore ingest` instead"
         )
     version = int(meta[META_VERSION])
-    if version > SCHEMA_VERSION:
+    if version not in READABLE_VERSIONS:
         raise SchemaVersionError(
-            f"store was written with rollout schema v{version}, this rolloutstore reads up "
-            f"to v{SCHEMA_VERSION}; upgrade rolloutstore to open it"
+            f"store was written with rollout schema v{version}, this rolloutstore reads "
+            f"v{READABLE_VERSIONS[0]} to v{SCHEMA_VERSION}; update rolloutstore "
+            "(pip install -U rolloutstore) to open it"
         )
     dim = int(meta.get(META_EMBEDDING_DIM, DEFAULT_EMBEDDING_DIM))
     return version, dim

@@ -3,7 +3,11 @@
 The connection registers the Lance datasets directly (DuckDB scans them as Arrow
 datasets with projection and filter pushdown) and defines the views
 
-    rollouts   every rollout row
+    rollouts   every rollout row, in the current schema whatever version wrote the store
+               (a view over the stored ``rollouts_stored``, see schema_compat)
+    turns      one row per turn of every rollout: rollout_id, turn, role, start, end,
+               tool_name, num_tokens, num_model_tokens (a rollout without turns: one
+               assistant turn over its completion)
     usage      one row per (rollout_id, learner_step, run_id, at) use
     groups     per group: n, reward mean/std, min/max policy_version, tokens
     rewards    re-scorings: one row per (rollout_id, reward_version >= 1), see rescore.py
@@ -85,6 +89,25 @@ GROUP BY group_id
 """
 
 
+# One row per turn; a rollout without turns (null: one model turn) is one assistant turn.
+TURNS_VIEW = """
+CREATE VIEW turns AS
+WITH t AS (
+    SELECT rollout_id, loss_mask,
+           coalesce(turns, [{'role': 'assistant', 'start': 0, 'end': num_completion_tokens,
+                             'tool_name': NULL::VARCHAR}]) AS ts
+    FROM rollouts
+), u AS (
+    SELECT rollout_id, loss_mask, unnest(generate_series(0, len(ts) - 1)) AS turn,
+           unnest(ts) AS x
+    FROM t
+)
+SELECT rollout_id, turn::INTEGER AS turn, x.role AS role, x.start AS start, x."end" AS "end",
+       x.tool_name AS tool_name, (x."end" - x.start)::INTEGER AS num_tokens,
+       coalesce(list_sum(loss_mask[x.start + 1 : x."end"]), 0)::INTEGER AS num_model_tokens
+FROM u
+"""
+
 # Each rollout's newest re-scoring (``reward_version`` is unique per rollout).
 REWARDS_NEWEST_SQL = (
     "SELECT rollout_id, reward_version, reward, advantage, reward_info FROM rewards "
@@ -104,14 +127,26 @@ FROM rollouts r LEFT JOIN newest n ON r.rollout_id = n.rollout_id
 """
 
 
-def connect(datasets: Mapping[str, Any] | None = None) -> duckdb.DuckDBPyConnection:
-    """A locked connection (``LOCKDOWN``) with each of ``datasets`` registered under its name."""
+def connect(
+    datasets: Mapping[str, Any] | None = None, *, rollouts_view: str | None = None
+) -> duckdb.DuckDBPyConnection:
+    """A locked connection (``LOCKDOWN``) with each of ``datasets`` registered under its name.
+
+    ``rollouts_view``: SQL creating the ``rollouts`` view over a registered
+    ``rollouts_stored`` (the store's dataset shown in the current schema, whatever version
+    wrote it: :data:`rolloutstore.schema_compat.ROLLOUTS_VIEW`).
+    """
+    datasets = datasets or {}
     con = duckdb.connect(config={**LOCKDOWN, "temp_directory": _temp_directory()})
     con.execute("SET enable_progress_bar = false")  # also keeps interrupt() prompt
-    for name, ds in (datasets or {}).items():
+    for name, ds in datasets.items():
         con.register(name, ds)
-    if "rollouts" in (datasets or {}):
+    if rollouts_view is not None:
+        con.execute(rollouts_view)
+    if "rollouts" in datasets or rollouts_view is not None:
         con.execute(GROUPS_VIEW)
+        if rollouts_view is not None:  # a store's rollouts, in the current schema
+            con.execute(TURNS_VIEW)
         if "rewards" in datasets:
             con.execute(SCORED_VIEW)
     con.execute("SET lock_configuration = true")

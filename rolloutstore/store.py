@@ -2,7 +2,8 @@
 
 Layout under the store URI (a local folder or any URI Lance accepts)::
 
-    STORE/rollouts.lance   one row per completion (schema v1, compressed token columns)
+    STORE/rollouts.lance   one row per completion or trajectory (schema v2; a v1 store reads
+                           as v2, see schema_compat), compressed token columns
     STORE/usage.lance      append-only (rollout_id, learner_step, run_id, at)
     STORE/rewards.lance    append-only re-scorings (rollout_id, reward_version, reward, ...)
 
@@ -36,7 +37,7 @@ import numpy as np
 import pyarrow as pa
 from lance.fragment import write_fragments
 
-from . import layout, maintenance, side_tables
+from . import layout, maintenance, schema_compat, side_tables
 from . import schema as S
 from .errors import DiskFullError, ReadOnlyError, SchemaError, StoreNotFoundError, ValidationError
 from .gc import DEFAULT_MIN_AGE, GcResult, collect_store, discard_fragments, references_any
@@ -88,6 +89,7 @@ class RolloutStore:
             ds, good, bad = maintenance.open_newest_readable(self.uri, self._open_ds, exc)
             self._pinned, self._ds_cache, self._torn = good, ds, (bad, good)
         _, self.embedding_dim = S.read_metadata(ds.schema)
+        # Rows are read and appended in the newest schema (an older store's: schema_compat).
         self.schema = S.rollout_schema(self.embedding_dim)
 
     # -- opening -----------------------------------------------------------------------
@@ -175,6 +177,11 @@ class RolloutStore:
         return self._rollouts().version
 
     @property
+    def schema_version(self) -> int:
+        """The rollout schema version this store version was written with (1 or 2)."""
+        return schema_compat.stored_version(self._rollouts().schema)
+
+    @property
     def read_only(self) -> bool:
         return self._pinned is not None
 
@@ -221,7 +228,9 @@ class RolloutStore:
         if on_duplicate not in ("error", "skip"):
             raise ValueError(f"on_duplicate must be 'error' or 'skip', got {on_duplicate!r}")
         target = join(self.uri, ROLLOUTS)
-        read_version = self._rollouts().version
+        ds = self._rollouts()
+        read_version, stored = ds.version, schema_compat.stored_version(ds.schema)
+        stored_schema = S.rollout_schema(self.embedding_dim, stored)
         ids = IdCheck(lambda: self._open_ds(ROLLOUTS), on_duplicate)
         fragments: list = []
         rows = seen = 0
@@ -231,6 +240,7 @@ class RolloutStore:
                 given = gives_ids(chunk)
                 try:
                     table = prepare(chunk, self.schema, unique_ids=False)
+                    table = schema_compat.to_stored(table, stored, self.embedding_dim, self.uri)
                     table = ids.filter(table, given)
                 except ValidationError as exc:
                     if seen and exc.row is not None:
@@ -244,7 +254,7 @@ class RolloutStore:
                 fragments += write_fragments(
                     table,
                     target,
-                    schema=self.schema,
+                    schema=stored_schema,
                     storage_options=self.storage_options,
                     max_rows_per_file=1 << 20,
                 )
@@ -266,6 +276,7 @@ class RolloutStore:
                 discard_fragments(self.uri, fragments)
             if isinstance(exc, OSError) and disk_full(exc):
                 raise DiskFullError(f"append of {seen} rows", self.uri) from exc
+            schema_compat.refuse_if_migrated(lambda: self._open_ds(ROLLOUTS), stored, exc)
             raise
         self._ds_cache = ds
         return AppendResult(rows, ds.version, ids.skipped)
@@ -349,13 +360,16 @@ class RolloutStore:
         ``lineage``, ``rewards`` and ``rollouts_scored``."""
         from .sql import connect
 
+        ds = self._rollouts()
+        # The dataset is `rollouts_stored`; the `rollouts` view shows it in the current schema.
         return connect(
             {
-                "rollouts": self._rollouts(),
+                "rollouts_stored": ds,
                 "usage": self.usage_dataset(),
                 "lineage": self._lineage(),
                 "rewards": self.rewards_table(),
-            }
+            },
+            rollouts_view=schema_compat.ROLLOUTS_VIEW[schema_compat.stored_version(ds.schema)],
         )
 
     def rewards_table(self) -> lance.LanceDataset | pa.Table:
@@ -400,19 +414,13 @@ class RolloutStore:
         self, row_ids: Sequence[int] | np.ndarray, columns: list[str] | None = None
     ) -> pa.Table:
         """Rows by position (row offsets in this store version), in the order given."""
-        return self._rollouts().take(np.asarray(row_ids, dtype=np.int64), columns=columns)
+        return schema_compat.take(self._rollouts(), self.schema, row_ids, columns)
 
     def take_rows(
         self, row_addresses: Sequence[int] | np.ndarray, columns: list[str] | None = None
     ) -> pa.Table:
         """Rows by Lance row address (``_rowaddr`` of this store version), in the order given."""
-        addr = np.asarray(row_addresses, dtype=np.uint64)
-        if addr.size == 0:
-            return self.schema.empty_table().select(columns or self.schema.names)
-        uniq, inverse = np.unique(addr, return_inverse=True)
-        # Lance reads sorted addresses fastest; restore the caller's order (and repeats) after.
-        table = self._rollouts()._take_rows(uniq.tolist(), columns=columns)
-        return table.take(pa.array(inverse.astype(np.int64)))
+        return schema_compat.take_rows(self._rollouts(), self.schema, row_addresses, columns)
 
     def stats(self) -> dict[str, Any]:
         """Size, tokens, compression, policy-version histogram, reward by version, reuse."""

@@ -1,9 +1,11 @@
-"""Turn user input into a schema-v1 Arrow table, or refuse it naming the row and field.
+"""Turn user input into a rollout-schema Arrow table, or refuse it naming the row and field.
 
 ``prepare(data, schema)`` accepts a ``pyarrow.Table``/``RecordBatch`` or a list of
 dicts, fills the store's defaults (rollout ids, prompt ids, token counts,
 created_at) and checks the row invariants (docs/architecture.md). Every check is vectorised
-over the batch; only the error path walks rows to find the first bad one.
+over the batch; only the error path walks rows to find the first bad one. The multi-turn
+columns (schema v2: loss mask, turns, their derived counts) are checked and derived by
+:mod:`rolloutstore.validate_turns`.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import pyarrow.compute as pc
 
 from .errors import ValidationError
 from .ids import prompt_ids_hash, uuid7_strings
+from .validate_turns import prepare_turns
 
 DERIVED = ("num_prompt_tokens", "num_completion_tokens")
 JSON_FIELDS = ("reward_info", "metadata")
@@ -87,6 +90,15 @@ def _compatible(src: pa.DataType, dst: pa.DataType) -> bool:
         return pa.types.is_string(src) or pa.types.is_large_string(src)
     if pa.types.is_timestamp(dst):
         return pa.types.is_timestamp(src) or pa.types.is_string(src)
+    if pa.types.is_struct(dst):
+        # A struct (e.g. a turn) takes a struct of some of its fields, never unknown ones.
+        if not pa.types.is_struct(src):
+            return False
+        names = {dst.field(i).name: dst.field(i).type for i in range(dst.num_fields)}
+        return all(
+            f.name in names and _compatible(f.type, names[f.name])
+            for f in (src.field(i) for i in range(src.num_fields))
+        )
     return False
 
 
@@ -142,7 +154,10 @@ def _columns_from_rows(rows: Sequence[Mapping], schema: pa.Schema) -> dict[str, 
 
 
 def _unknown(key: str, schema: pa.Schema) -> str:
-    return f"unknown field (not in rollout schema v1; known fields: {', '.join(schema.names)})"
+    version = (schema.metadata or {}).get(b"rolloutstore.schema_version", b"?").decode()
+    return (
+        f"unknown field (not in rollout schema v{version}; known fields: {', '.join(schema.names)})"
+    )
 
 
 def to_table(data, schema: pa.Schema) -> pa.Table:
@@ -209,9 +224,11 @@ def _check_values(col: pa.Array, name: str, bad_values, what: str) -> None:
         raise ValidationError(f"{what}; found {value!r} at position {pos}", row=row, field=name)
 
 
-def _check_invariants(t: pa.Table, unique_ids: bool) -> None:
-    comp = _list_lengths(t["completion_ids"])
-    lp = _list_lengths(t["behavior_logprobs"])
+def _check_lengths(cols: dict[str, pa.Array]) -> np.ndarray:
+    """One log-prob per completion token, >= 1 prompt and completion token; returns the
+    completion lengths."""
+    comp = _list_lengths(cols["completion_ids"])
+    lp = _list_lengths(cols["behavior_logprobs"])
     row = _first_true(comp != lp)
     if row is not None:
         raise ValidationError(
@@ -221,10 +238,10 @@ def _check_invariants(t: pa.Table, unique_ids: bool) -> None:
             field="behavior_logprobs",
         )
     for name in ("prompt_ids", "completion_ids"):
-        # Schema rule (see rollout.v1.json): a trainable row has >= 1 prompt token (the
+        # Schema rule (see rollout.v2.json): a trainable row has >= 1 prompt token (the
         # first completion token is scored from the last prompt position) and >= 1
         # completion token. A generation that produced nothing has nothing to train on.
-        row = _first_true(_list_lengths(t[name]) == 0)
+        row = _first_true(_list_lengths(cols[name]) == 0)
         if row is not None:
             raise ValidationError(
                 "expected at least one token, found an empty list; drop rows whose "
@@ -232,13 +249,13 @@ def _check_invariants(t: pa.Table, unique_ids: bool) -> None:
                 row=row,
                 field=name,
             )
+    return comp.astype(np.int64)
+
+
+def _check_invariants(t: pa.Table, unique_ids: bool) -> None:
+    for name in ("prompt_ids", "completion_ids"):
         _check_values(t[name], name, lambda v: v < 0, "token ids must be non-negative")
-    _check_values(
-        t["behavior_logprobs"],
-        "behavior_logprobs",
-        lambda v: ~(np.isfinite(v) & (v <= 0)),
-        "log-probs must be finite and <= 0",
-    )
+    # behavior_logprobs values (against the loss mask) were checked by prepare_turns.
     for name in ("reward", "advantage", "temperature", "top_p"):
         if name in t.column_names:
             v = t[name].to_numpy(zero_copy_only=False).astype(np.float64)
@@ -315,6 +332,7 @@ def prepare(
                     f"expected len({src}) = {derived[row]}, found {g[row]}", row=row, field=name
                 )
         cols[name] = derived
+    prepare_turns(cols, _check_lengths(cols))  # columns a v1 schema lacks are left out below
     arrays = [cols[f.name] if f.name in cols else pa.nulls(n, type=f.type) for f in schema]
     table = pa.Table.from_arrays(arrays, schema=schema.remove_metadata())
     _check_required(table, schema)

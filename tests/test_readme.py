@@ -80,3 +80,29 @@ def test_own_model_and_data_runs_as_written(tmp_path):
         assert row["prompt_text"].endswith("<|assistant|>\n")
         info = json.loads(row["reward_info"])
         assert info["reward_fn"] == "math" and info["reward_fn_version"].startswith("math-verify/")
+
+
+def test_multiturn_commands_run_as_written(tmp_path):
+    """The "Multi-turn trajectories" commands, from a folder with the repository's tools and
+    test data."""
+    root = README.parent
+    (tmp_path / "tools").symlink_to(root / "tools")
+    (tmp_path / "tests").symlink_to(root / "tests")
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+    commands = [c for c in _block("<!-- multiturn", "bash").splitlines() if c.strip()]
+    assert len(commands) == 7
+    out = []
+    for cmd in commands:
+        p = subprocess.run(cmd, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True)
+        assert p.returncode == 0, f"{cmd}\n{p.stdout}\n{p.stderr}"
+        out.append(p.stdout)
+    assert "ingested 4 rollouts" in out[1]
+    assert "calculator" in out[2] and "(4 rows)" in out[2]
+    assert "tool" in out[3] and "user" in out[3]
+    assert "(2 rows)" in out[4]
+    assert "exported 4 rows (messages, jsonl)" in out[5]
+    assert "already rollout schema v2; nothing to do" in out[6]
+    chats = [json.loads(line) for line in (tmp_path / "runs/agent/chats.jsonl").open()]
+    assert {m["role"] for c in chats for m in c["messages"]} == {"system", "user", "assistant",
+                                                                  "tool"}  # fmt: skip

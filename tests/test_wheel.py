@@ -119,15 +119,16 @@ def test_wheel_ships_the_schema_and_opens_a_store(tmp_path):
     # Every package folder of the checkout is in the wheel (pyproject lists them).
     for init in [*ROOT.glob("rolloutstore/**/__init__.py"), *ROOT.glob("trainer/**/__init__.py")]:
         assert init.relative_to(ROOT).as_posix() in names, init
-    packaged = zipfile.ZipFile(wheel).read("rolloutstore/schemas/rollout.v1.json")
-    assert packaged == (ROOT / "schemas" / "rollout.v1.json").read_bytes()
+    for name in ("rollout.v1.json", "rollout.v2.json"):  # v2 written, v1 still read
+        packaged = zipfile.ZipFile(wheel).read(f"rolloutstore/schemas/{name}")
+        assert packaged == (ROOT / "schemas" / name).read_bytes()
     venv = tmp_path / "venv"
     python = _fresh_venv(venv)
     _pip(python, str(wheel))
     out = _check_store_opens(python, tmp_path, venv)
     assert Path(out["schema_dir"]).resolve().is_relative_to(venv.resolve())
     # The console script reads the packaged schema too.
-    assert "rollout schema v1" in _run(str(venv / "bin" / "rolloutstore"), "schema", cwd=tmp_path)
+    assert "rollout schema v2" in _run(str(venv / "bin" / "rolloutstore"), "schema", cwd=tmp_path)
 
 
 @pytest.mark.slow

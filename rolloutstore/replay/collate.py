@@ -1,6 +1,10 @@
 """Replay rows to learner-ready tensors: the padded or packed batch layout
 (:mod:`rolloutstore.replay.loader` documents it), each row's sampling settings, and the
-split of a batch into micro-batches under a token budget."""
+split of a batch into micro-batches under a token budget.
+
+Multi-turn rows: the target-grid ``loss_mask`` is each row's per-token ``loss_mask`` (0 on
+tool / environment tokens), so ``num_loss_tokens`` counts only the policy's tokens; token
+budgets and micro-batches count every token (they bound memory)."""
 
 from __future__ import annotations
 
@@ -13,7 +17,7 @@ import torch
 from .selector import Selection
 
 # Rewards and advantages come from the Selection (the selector overlays re-scorings on them).
-TOKEN_COLUMNS = ["prompt_ids", "completion_ids", "behavior_logprobs"]
+TOKEN_COLUMNS = ["prompt_ids", "completion_ids", "behavior_logprobs", "loss_mask"]
 # Each row's sampler settings: the learner scores a row under the distribution that sampled it.
 SAMPLING_COLUMNS = ["temperature", "top_k", "top_p", "logprobs_mode"]
 
@@ -85,11 +89,16 @@ def _token_tensors(
     also each row's length and the number of loss tokens."""
     p_vals, p_off = _flat(rows["prompt_ids"])
     c_vals, c_off = _flat(rows["completion_ids"])
-    l_vals, _ = _flat(rows["behavior_logprobs"])
+    l_vals, l_off = _flat(rows["behavior_logprobs"])
     p_len, c_len = np.diff(p_off), np.diff(c_off)
     p_vals = p_vals[p_off[0] : p_off[-1]]
     c_vals = c_vals[c_off[0] : c_off[-1]]
-    l_vals = l_vals[c_off[0] : c_off[-1]]
+    l_vals = l_vals[l_off[0] : l_off[-1]]
+    if "loss_mask" in rows.column_names:  # 1: the policy's token, 0: tool / environment
+        m_vals, m_off = _flat(rows["loss_mask"])
+        m_vals = m_vals[m_off[0] : m_off[-1]].astype(np.float32)
+    else:
+        m_vals = np.ones(len(c_vals), np.float32)
     lengths = p_len + c_len
     n = len(adv)
 
@@ -118,12 +127,12 @@ def _token_tensors(
     t_dst = np.arange(len(c_vals)) + np.repeat(t_shift, c_len)
     # A completion token with no token before it (empty prompt) cannot be scored.
     scored = ~(np.repeat(p_len == 0, c_len) & (_segment_index(c_len)[1] == 0))
-    t_dst, l_vals = t_dst[scored], l_vals[scored]
+    t_dst, l_vals, m_vals = t_dst[scored], l_vals[scored], m_vals[scored]
     size = rows_out * (width - 1)
     loss_mask = np.zeros(size, np.float32)
     blp = np.zeros(size, np.float32)
     adv_tok = np.zeros(size, np.float32)
-    loss_mask[t_dst] = 1.0
+    loss_mask[t_dst] = m_vals
     blp[t_dst] = l_vals
     adv_tok[t_dst] = np.repeat(adv, c_len)[scored]
     shape, tshape = (rows_out, width), (rows_out, width - 1)
@@ -134,7 +143,7 @@ def _token_tensors(
         "advantages": torch.from_numpy(adv_tok.reshape(tshape)),
     }
     out.update(_positions(lengths, width, pack))
-    return out, lengths, len(t_dst)
+    return out, lengths, int(np.count_nonzero(m_vals))
 
 
 def _positions(lengths: np.ndarray, width: int, pack: bool) -> dict[str, torch.Tensor]:

@@ -48,6 +48,7 @@ import pyarrow.compute  # noqa: F401  (pa.compute)
 
 from ..errors import EmptyBufferError, RewardVersionError, ShortBatchWarning
 from ..rescore import apply_rewards
+from ..schema_compat import present, read_columns
 from ..sql import connect, run
 from ..store import RolloutStore
 from .config import ReplayConfig
@@ -270,14 +271,18 @@ class Selector:
         cols = cols + (["embedding"] if self.config.diversity == "embedding" else [])
         if not fragments:
             t = (
-                ds.schema.empty_table()
+                self.store.schema.empty_table()
                 .select(cols)
                 .append_column("_rowaddr", pa.array([], pa.uint64()))
             )
         else:
             t = ds.scanner(
-                columns=cols, filter=scan_filter, fragments=fragments, with_row_address=True
+                columns=read_columns(cols, ds.schema),
+                filter=scan_filter,
+                fragments=fragments,
+                with_row_address=True,
             ).to_table()
+            t = present(t, cols, self.store.schema)  # a v1 store's rows as one model turn
         return apply_rewards(
             t, self._rewards.table(self.store, self._sql, self.config.reward_version)
         )

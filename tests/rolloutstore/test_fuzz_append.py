@@ -33,7 +33,8 @@ SETTINGS = settings(
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 FILLED = {"run_id", "prompt_id", "group_id", "sample_index", "num_prompt_tokens",
-          "num_completion_tokens"}  # fmt: skip
+          "num_completion_tokens", "loss_mask", "num_turns", "num_model_tokens",
+          "num_tool_calls", "tools"}  # fmt: skip
 # Ids that earlier examples committed: duplicates against the store draw from these.
 STORED_IDS: list[str] = []
 
@@ -48,7 +49,9 @@ FIELDS = [
     "prompt_ids", "completion_ids", "behavior_logprobs", "temperature", "top_k", "seed",
     "reward", "advantage", "embedding", "created_at", "num_prompt_tokens",
     "num_completion_tokens", "tags", "metadata", "reward_info", "nonexistent_field",
+    "loss_mask", "turns", "num_turns", "num_model_tokens", "num_tool_calls", "tools",
 ]  # fmt: skip
+ROLES = ["assistant", "tool", "user", "system"]
 
 
 @st.composite
@@ -68,15 +71,72 @@ def valid_row(draw) -> dict:
 
 
 @st.composite
-def mutated_row(draw, batch_ids: list[str], hostile: bool) -> dict:
+def trajectory_row(draw) -> dict:
+    """A valid multi-turn row: turns of random roles, mask 1 on some assistant tokens only,
+    log-prob 0.0 or None on mask-0 tokens (None is stored as 0.0)."""
     row = draw(valid_row())
+    ids, mask, lps, turns = [], [], [], []
+    for k in range(draw(st.integers(1, 4))):
+        role = "assistant" if k == 0 else draw(st.sampled_from(ROLES))
+        n = draw(st.integers(1 if role == "assistant" else 0, 4))
+        start = len(ids)
+        for _ in range(n):
+            ids.append(draw(st.integers(0, 2**31 - 1)))
+            m = int(role == "assistant" and (len(ids) == 1 or draw(st.booleans())))
+            mask.append(m)
+            lps.append(
+                draw(st.floats(-1e6, 0.0, width=32)) if m else draw(st.sampled_from([0.0, None]))
+            )
+        turn = {"role": role, "start": start, "end": len(ids)}
+        if role == "tool" and draw(st.booleans()):
+            turn["tool_name"] = draw(st.sampled_from(["calculator", "search", ""]))
+        turns.append(turn)
+    row.update(completion_ids=ids, loss_mask=mask, behavior_logprobs=lps, turns=turns)
+    return row
+
+
+TURN_MUTATIONS = ["mask", "bound", "role", "envlp", "toolname"]
+
+
+def _mutate_turns(draw, row: dict, kind: str) -> None:
+    mask, turns, lps = row.get("loss_mask"), row.get("turns"), row.get("behavior_logprobs")
+    if not (isinstance(mask, list) and mask and isinstance(turns, list) and turns):
+        return
+    if not all(isinstance(t, dict) and isinstance(t.get("end"), int) for t in turns):
+        return  # already replaced by a hostile value
+    if not all(isinstance(t.get("start"), int) for t in turns):
+        return
+    if kind == "mask":
+        mask[draw(st.integers(0, len(mask) - 1))] = draw(st.sampled_from([0, 1, 2, -1, None]))
+    elif kind == "bound" and isinstance(turns[-1], dict):
+        t = turns[draw(st.integers(0, len(turns) - 1))]
+        t[draw(st.sampled_from(["start", "end"]))] += draw(st.sampled_from([-1, 1, 100]))
+    elif kind == "role":
+        turns[draw(st.integers(0, len(turns) - 1))]["role"] = draw(
+            st.sampled_from(ROLES + ["robot", "", None])
+        )
+    elif kind == "envlp" and isinstance(lps, list):
+        zeros = [i for i, m in enumerate(mask) if m == 0]
+        if zeros:
+            lps[draw(st.sampled_from(zeros))] = draw(st.sampled_from([-0.5, 0.5, math.nan]))
+    elif kind == "toolname":
+        turns[draw(st.integers(0, len(turns) - 1))]["tool_name"] = "calculator"
+
+
+@st.composite
+def mutated_row(draw, batch_ids: list[str], hostile: bool) -> dict:
+    row = draw(trajectory_row() if draw(st.booleans()) else valid_row())
     for _ in range(draw(st.integers(0, 2)) if hostile else 0):
-        kind = draw(st.sampled_from(["set", "logprob", "length", "dup", "delete", "negative"]))
-        if kind == "set":
+        kind = draw(
+            st.sampled_from(["set", "logprob", "length", "dup", "delete", "negative", "turns"])
+        )
+        if kind == "turns":
+            _mutate_turns(draw, row, draw(st.sampled_from(TURN_MUTATIONS)))
+        elif kind == "set":
             row[draw(st.sampled_from(FIELDS))] = draw(HOSTILE)
         elif kind == "logprob":
             bad = draw(st.sampled_from([math.nan, math.inf, -math.inf, 0.1, 1e-9, 5.0]))
-            lp = row["behavior_logprobs"]
+            lp = row.get("behavior_logprobs")
             if isinstance(lp, list) and lp:
                 lp[draw(st.integers(0, len(lp) - 1))] = bad
         elif kind == "length":
@@ -113,11 +173,27 @@ def _state(store):
 
 
 def _same(given, stored) -> bool:
+    if given is None and stored == 0.0:
+        return True  # a null log-prob on an environment token is stored as 0.0
     if isinstance(given, float):
         return (math.isnan(given) and math.isnan(stored)) or np.float32(given) == np.float32(stored)
     if isinstance(given, list):
         return len(given) == len(stored) and all(_same(a, b) for a, b in zip(given, stored))
+    if isinstance(given, dict):  # a turn: keys left out are stored null
+        return all(_same(given.get(k), v) for k, v in stored.items())
     return given == stored
+
+
+def _check_derived(r: dict, stored: dict) -> None:
+    """The store's multi-turn columns, recomputed here from the row as given."""
+    n = len(stored["completion_ids"])
+    mask = r.get("loss_mask") or [1] * n
+    turns = r.get("turns") or [{"role": "assistant", "start": 0, "end": n}]
+    assert stored["loss_mask"] == mask
+    assert stored["num_turns"] == len(turns) and stored["num_model_tokens"] == sum(mask)
+    assert stored["num_tool_calls"] == sum(t["role"] == "tool" for t in turns)
+    names = {t.get("tool_name") for t in turns if t["role"] == "tool"} - {None}
+    assert stored["tools"] == sorted(names)
 
 
 def _check_refusal(exc: RolloutStoreError, store, before, n_rows: int) -> None:
@@ -163,6 +239,7 @@ def test_append_commits_whole_and_identical_or_refuses_naming_row_and_field(
             if k == "created_at" or k not in stored or (v is None and k in FILLED):
                 continue  # the store fills these (None included) with their defaults
             assert _same(v, stored[k]), (k, v, stored[k])
+        _check_derived(r, stored)
         STORED_IDS.append(r["rollout_id"])
 
 

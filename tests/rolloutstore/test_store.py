@@ -56,19 +56,34 @@ DESIGN_COLUMNS = [
     "tags",
     "metadata",
 ]
+# Schema v2 (multi-turn trajectories) appends these, in this order.
+V2_COLUMNS = ["loss_mask", "turns", "num_turns", "num_model_tokens", "num_tool_calls", "tools"]
 
 
 def test_schema_has_every_design_column_from_the_json_file():
-    spec = json.loads((S.SCHEMA_DIR / "rollout.v1.json").read_text())
+    spec = json.loads((S.SCHEMA_DIR / "rollout.v2.json").read_text())
     names = [c["name"] for c in spec["columns"]]
-    assert names == S.rollout_schema().names
-    assert sorted(names) == sorted(DESIGN_COLUMNS)
+    assert names == S.rollout_schema().names == DESIGN_COLUMNS + V2_COLUMNS
+    v1 = json.loads((S.SCHEMA_DIR / "rollout.v1.json").read_text())
+    assert [c["name"] for c in v1["columns"]] == S.rollout_schema(version=1).names
+    assert sorted(S.rollout_schema(version=1).names) == sorted(DESIGN_COLUMNS)
+    assert spec["tables"] == v1["tables"]
     sch = S.rollout_schema(32)
     assert sch.field("completion_ids").type == pa.list_(pa.int32())
     assert sch.field("behavior_logprobs").type.value_type == pa.float32()
     assert sch.field("embedding").type == pa.list_(pa.float32(), 32)
     assert not sch.field("policy_version").nullable and sch.field("reward").nullable
     assert all(c["description"] for c in spec["columns"])
+    assert sch.field("loss_mask").type == pa.list_(pa.int8())
+    assert sch.field("loss_mask").type.value_field.metadata[b"lance-encoding:compression"] == (
+        b"zstd"
+    )
+    turn = sch.field("turns").type.value_type
+    assert [(f.name, f.type) for f in turn] == [
+        ("role", pa.string()), ("start", pa.int32()), ("end", pa.int32()),
+        ("tool_name", pa.string()),
+    ]  # fmt: skip
+    assert sch.field("turns").nullable and not sch.field("num_turns").nullable
 
 
 def test_open_creates_and_records_version_and_dim(tmp_path):
@@ -77,7 +92,7 @@ def test_open_creates_and_records_version_and_dim(tmp_path):
     s = RolloutStore.open(tmp_path / "s", embedding_dim=16)
     assert s.embedding_dim == 16 and s.count() == 0
     meta = s.dataset().schema.metadata
-    assert meta[b"rolloutstore.schema_version"] == b"1"
+    assert meta[b"rolloutstore.schema_version"] == b"2" and s.schema_version == 2
     assert RolloutStore.open(tmp_path / "s").embedding_dim == 16
     with pytest.raises(SchemaError, match="embedding_dim 16"):
         RolloutStore.open(tmp_path / "s", embedding_dim=8)
@@ -85,9 +100,9 @@ def test_open_creates_and_records_version_and_dim(tmp_path):
 
 def test_newer_schema_version_refused(tmp_path):
     root = tmp_path / "future"
-    sch = S.rollout_schema().with_metadata({b"rolloutstore.schema_version": b"2"})
+    sch = S.rollout_schema().with_metadata({b"rolloutstore.schema_version": b"3"})
     lance.write_dataset(sch.empty_table(), str(root / "rollouts.lance"), schema=sch)
-    with pytest.raises(SchemaVersionError, match="v2.*upgrade"):
+    with pytest.raises(SchemaVersionError, match="v3.*reads v1 to v2; update rolloutstore"):
         RolloutStore.open(root)
 
 

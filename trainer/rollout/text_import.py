@@ -10,6 +10,19 @@ Group advantages come from :func:`trainer.algo.advantage.group_advantages`.
 
 The recomputed log-probs are those of the scoring model, not of the sampler: they are
 exact behaviour log-probs only when ``--score-with`` holds the weights that sampled.
+
+A multi-turn chat (``completion_messages``: every message from the first assistant turn on)
+becomes one trajectory row (schema v2). The whole conversation is rendered with the chat
+template, and the token boundary before each completion message comes from rendering the
+conversation up to it: with ``add_generation_prompt=True`` before an assistant message (the
+template's assistant header is then environment text, mask 0, and the assistant turn is what
+the model generates, up to where the next message's rendering starts: its end-of-turn
+marker included), without before any other. Each prefix's text must be a prefix of the whole
+rendering and its token ids a prefix of the whole's token ids; a template that rewrites
+earlier turns (e.g. drops past reasoning) or a tokenizer that merges tokens across a message
+boundary breaks that, and the row is refused naming the message. ``loss_mask`` is 1 on the
+assistant turns' tokens, 0 elsewhere; log-probs are recomputed for the whole completion and
+kept on mask-1 tokens only (0.0 elsewhere: no log-prob on environment tokens).
 """
 
 from __future__ import annotations
@@ -74,14 +87,84 @@ class TextRowTransformer:
                               field="prompt") from exc  # fmt: skip
         return rendered.prompt_text, encode_prompt(self.tokenizer, rendered.prompt_text)
 
+    def _render(self, messages: list[dict], generation_prompt: bool, i: int) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(
+                [dict(m) for m in messages], add_generation_prompt=generation_prompt,
+                tokenize=False,
+            )  # fmt: skip
+        except Exception as exc:  # no template, or one that cannot render these turns
+            raise self._error(f"cannot render the conversation with the chat template: {exc}",
+                              row=i, field="messages") from exc  # fmt: skip
+
+    def _trajectory(self, row: dict[str, Any], i: int) -> dict[str, Any]:
+        """A multi-turn chat's prompt, completion ids, loss mask and turns (module docstring)."""
+        prompt = row.pop("prompt_messages")
+        done = row.pop("completion_messages")
+        row.pop("prompt", None)
+        prompt_text = self._render(prompt, True, i)
+        full = self._render(prompt + done, False, i)
+        full_ids = encode_prompt(self.tokenizer, full)
+        prompt_ids = encode_prompt(self.tokenizer, prompt_text)
+        bounds = [0]
+        for j in range(1, len(done) + 1):
+            if j == len(done):
+                text, ids = full, full_ids
+            else:
+                text = self._render(prompt + done[:j], done[j]["role"] == "assistant", i)
+                ids = encode_prompt(self.tokenizer, text)
+            bound = len(ids) - len(prompt_ids)
+            if not full.startswith(text) or full_ids[: len(ids)] != ids or bound < bounds[-1]:
+                raise self._error(
+                    f"cannot place the token boundary before completion message {j}: the chat "
+                    "template's rendering up to it is not a prefix of the whole conversation's "
+                    "(text or token ids); import such chats as single-turn rows instead",
+                    row=i,
+                    field="messages",
+                )  # fmt: skip
+            bounds.append(bound)
+        if full_ids[: len(prompt_ids)] != prompt_ids or not full.startswith(prompt_text):
+            raise self._error("the rendered prompt is not a prefix of the whole conversation",
+                              row=i, field="messages")  # fmt: skip
+        turns = [
+            {"role": m["role"], "start": a, "end": b,
+             "tool_name": m.get("name") if m["role"] == "tool" else None}
+            for m, a, b in zip(done, bounds, bounds[1:])
+        ]  # fmt: skip
+        mask = [0] * (len(full_ids) - len(prompt_ids))
+        for t in turns:
+            if t["role"] == "assistant":
+                mask[t["start"] : t["end"]] = [1] * (t["end"] - t["start"])
+        return {
+            "prompt_text": prompt_text,
+            "completion_text": full[len(prompt_text) :],
+            "prompt_ids": prompt_ids,
+            "completion_ids": full_ids[len(prompt_ids) :],
+            "loss_mask": mask,
+            "turns": turns,
+        }
+
+    def _single(self, row: dict[str, Any], i: int) -> dict[str, Any]:
+        prompt_text, prompt_ids = self._prompt_ids(row, i)
+        completion = row.pop("completion")
+        completion_ids = list(self.tokenizer(completion, add_special_tokens=False)["input_ids"])
+        return {
+            "prompt_text": prompt_text,
+            "completion_text": completion,
+            "prompt_ids": prompt_ids,
+            "completion_ids": completion_ids,
+        }
+
     def __call__(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         o = self.options
         out = []
         for i, row in enumerate(rows):
             row = dict(row)
-            prompt_text, prompt_ids = self._prompt_ids(row, i)
-            completion = row.pop("completion")
-            completion_ids = list(self.tokenizer(completion, add_special_tokens=False)["input_ids"])
+            if row.get("completion_messages"):
+                tokens = self._trajectory(row, i)
+            else:
+                tokens = self._single(row, i)
+            prompt_ids, completion_ids = tokens["prompt_ids"], tokens["completion_ids"]
             if not completion_ids:
                 raise self._error(
                     "empty completion: nothing to train on", row=i, field="completion"
@@ -90,11 +173,11 @@ class TextRowTransformer:
                 lp = teacher_forced_logprobs(
                     self.model, prompt_ids, completion_ids, o.temperature, o.top_p, o.top_k
                 )
+            if "loss_mask" in tokens:  # no log-prob on environment tokens
+                keep = torch.tensor(tokens["loss_mask"], dtype=torch.bool)
+                lp = torch.where(keep, lp, torch.zeros((), dtype=lp.dtype))
+            row.update(tokens)
             row.update(
-                prompt_text=prompt_text,
-                completion_text=completion,
-                prompt_ids=prompt_ids,
-                completion_ids=completion_ids,
                 behavior_logprobs=lp.tolist(),
                 logprobs_mode=LOGPROBS_MODE,
                 tokenizer_fingerprint=self.fingerprint,
