@@ -78,6 +78,7 @@ from trainer.algo.behavior import batch_rows, check_logprobs_modes, sampling_kwa
 from trainer.algo.logprobs import packed_target_mask, sequence_logprobs
 from trainer.algo.loss import LossConfig, policy_loss
 from trainer.algo.optim import OptimConfig
+from trainer.models.lora import generator_state
 
 __all__ = ["Learner"]
 
@@ -411,13 +412,14 @@ class Learner:
             return self._logprobs(self.model, b, entropy=False)[0]
 
     def full_weights(self, *, all_ranks: bool = False) -> dict[str, Tensor]:
-        """The model's full (unsharded) state dict, on CPU when sharded.
+        """The model's full (unsharded) state dict, on CPU when sharded; with LoRA adapters the
+        merged weights under the base names (what generators load; trainer/models/lora.py).
 
         Sharded, this is a collective: every rank must call it; rank 0 gets the tensors, the
         others ``{}`` unless ``all_ranks``.
         """
         if not self.sharded:
-            return self.model.state_dict()
+            return generator_state(self.model)
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             get_model_state_dict,

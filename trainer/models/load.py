@@ -128,9 +128,14 @@ def check_model_dir(path: str | Path) -> Path:
 
 def check_model(model_cfg: Any) -> None:
     """Everything about ``[model]`` that depends on this machine or the folder, checked before
-    any run state is written: the folder, the device, the dtype on it, the attention."""
+    any run state is written: the folder, the device, the dtype on it, the attention, and
+    peft for ``[model.lora]``."""
     if model_cfg.path != "tiny":
         check_model_dir(model_cfg.path)
     device = resolve_device(model_cfg.device)
     resolve_dtype(model_cfg.dtype, device)
     check_attn_implementation(model_cfg.attn_implementation)
+    if getattr(model_cfg, "lora", None) is not None:
+        from trainer.models.lora import require_peft
+
+        require_peft()

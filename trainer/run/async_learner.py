@@ -200,7 +200,7 @@ def async_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True
     generator = HFGenerator(model_dir, policy_version=learner.policy_version, policy_id=run_id)
 
     def sync_generator() -> None:
-        generator.model.load_state_dict(learner.model.state_dict())
+        generator.model.load_state_dict(learner.full_weights())  # LoRA: merged
         generator.policy_version = learner.policy_version
 
     bar = tqdm(total=r.steps, initial=step, desc="train", unit="step", disable=not progress)
