@@ -33,7 +33,8 @@ STEPS = 4
 LORA = {"rank": 4, "alpha": 8}
 
 
-def _config(run_dir, model_dir, *, steps: int = STEPS, **lora) -> TrainConfig:
+def _toml(run_dir, model_dir, *, steps: int = STEPS) -> str:
+    """The run's TOML text (the resume tests' tiny run, on ``model_dir``, with [model.lora])."""
     text = resumable_run_toml(
         "lora",
         """
@@ -45,8 +46,13 @@ warm_start_steps = 1
 eval_every = 0
 """,
     ).format(dir=run_dir, steps=steps)
-    data = tomllib.loads(text)
-    data["model"] = {"path": str(model_dir), "device": "cpu", "lora": {**LORA, **lora}}
+    text = text.replace("[model]\n", f'[model]\npath = "{model_dir}"\ndevice = "cpu"\n', 1)
+    return text + "\n[model.lora]\n" + "".join(f"{k} = {v}\n" for k, v in LORA.items())
+
+
+def _config(run_dir, model_dir, *, steps: int = STEPS, **lora) -> TrainConfig:
+    data = tomllib.loads(_toml(run_dir, model_dir, steps=steps))
+    data["model"]["lora"].update(lora)
     return TrainConfig.from_dict(data)
 
 
@@ -285,3 +291,27 @@ def test_lora_without_peft_is_one_line_naming_the_extra(tmp_path):
     assert lines[0].startswith("error: [model.lora] needs the peft package")
     assert "pip install 'rolloutstore[lora]'" in lines[0]
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_two_ddp_ranks_train_the_same_adapters(tmp_path, llama):
+    """torchrun, 2 CPU ranks: the adapters are DDP's only trainable parameters; the ranks'
+    merged weights stay identical step by step, and the checkpoint holds the adapters only."""
+    cfg = tmp_path / "cfg.toml"
+    cfg.write_text(_toml(tmp_path / "run", llama))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "ROLLOUTSTORE_RANK_TRACE": str(tmp_path / "tr")}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "ROLLOUTSTORE_FAULT"):
+        env.pop(k, None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           "-m", "trainer", "train", str(cfg), "-q"]  # fmt: skip
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-4000:]
+    traces = [
+        [json.loads(x) for x in (tmp_path / "tr" / f"rank-{r}.jsonl").read_text().splitlines()]
+        for r in (0, 1)
+    ]
+    assert [t["step"] for t in traces[0]] == list(range(1, STEPS + 1))
+    assert [t["weights_sha256"] for t in traces[0]] == [t["weights_sha256"] for t in traces[1]]
+    assert len({t["weights_sha256"] for t in traces[0]}) == STEPS  # every step moved them
+    weights = load_file(str(_ckpt(tmp_path / "run", STEPS) / "model.safetensors"))
+    assert len(weights) == 2 * len(LORA_TARGETS) and all("lora_" in k for k in weights)
