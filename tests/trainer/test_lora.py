@@ -315,3 +315,19 @@ def test_two_ddp_ranks_train_the_same_adapters(tmp_path, llama):
     assert len({t["weights_sha256"] for t in traces[0]}) == STEPS  # every step moved them
     weights = load_file(str(_ckpt(tmp_path / "run", STEPS) / "model.safetensors"))
     assert len(weights) == 2 * len(LORA_TARGETS) and all("lora_" in k for k in weights)
+
+
+def test_gpu_check_cpu_with_lora_passes(tmp_path):
+    """tools/gpu_check.sh --lora (the GPU check's LoRA variant) at tiny sizes on CPU: the
+    staleness-0 gap is measured against the LoRA learner's forward and within the bf16 bound."""
+    require_peft()
+    p = subprocess.run(
+        [str(ROOT / "tools" / "gpu_check.sh"), "--cpu", "--lora", "4", "--out", str(tmp_path)],
+        env={**os.environ, "PYTHON": sys.executable}, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "LoRA rank 4" in p.stdout and p.stdout.rstrip().endswith("PASS"), p.stdout
+    weights = load_file(
+        str(max((tmp_path / "run" / "checkpoints").glob("step-*")) / "model.safetensors")
+    )
+    assert weights and all("lora_" in k for k in weights)
