@@ -331,3 +331,69 @@ def test_gpu_check_cpu_with_lora_passes(tmp_path):
         str(max((tmp_path / "run" / "checkpoints").glob("step-*")) / "model.safetensors")
     )
     assert weights and all("lora_" in k for k in weights)
+
+
+ASYNC = """
+[model]
+num_layers = 1
+[model.lora]
+rank = 4
+alpha = 8
+[task]
+name = "arith"
+options = { max_operands = 2, max_digits = 1, ops = ["+"] }
+eval_prompts = 4
+[generation]
+backend = "hf"
+group_size = 4
+max_tokens = 5
+prompts_per_round = 6
+batch_prompts = 3
+[replay]
+window = 64
+max_staleness = 2
+seed = 1
+[optim]
+lr = 1e-2
+[run]
+dir = "DIR"
+mode = "async"
+steps = 4
+batch_size = 8
+min_rows = 16
+checkpoint_every = 2
+eval_every = 0
+"""
+
+
+@pytest.mark.slow
+def test_async_lora_run_publishes_merged_weights_its_actor_samples_from(tmp_path):
+    """Async mode: the learner publishes merged folders; the actor process loads them as plain
+    models and its stored log-probs are those of the published weights of their version."""
+    require_peft()
+    from trainer.rollout.hf import logprob_gaps
+
+    cfg = tmp_path / "cfg.toml"
+    cfg.write_text(ASYNC.replace("DIR", str(tmp_path / "run")))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "trainer", "train", str(cfg), "--actors", "1", "-q"]
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    run_dir = tmp_path / "run"
+    weights = load_file(str(_ckpt(run_dir, 4) / "model.safetensors"))
+    assert weights and all("lora_" in k for k in weights)
+    init = load_file(str(run_dir / "model-init" / "model.safetensors"))
+    store = RolloutStore.open(run_dir / "store", create=False)
+    checked = 0
+    for folder in sorted((run_dir / "weights").glob("v-*")):
+        published = load_file(str(folder / "model.safetensors"))
+        assert set(published) == set(init)  # a plain model under the base names
+        version = int(folder.name.removeprefix("v-"))
+        rows = store.sql(
+            "SELECT * FROM rollouts WHERE policy_version = ?", params=[version]
+        ).to_pylist()
+        if rows:
+            model, _ = load_model(folder)
+            assert logprob_gaps(model, rows)["max"] < 1e-4
+            checked += 1
+    assert checked >= 1
