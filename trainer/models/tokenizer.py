@@ -3,7 +3,8 @@
 A fingerprint covers what decides a rollout's token ids: the vocabulary, the merges, the added
 and special tokens, and the chat template (it renders the prompt text before tokenisation, so two
 templates give different ``prompt_ids`` for the same question). A tokenizer without a chat template
-keeps the fingerprint it had before templates were included.
+keeps the fingerprint it had before templates were included; rows that a tokenizer *with* one
+stored before then carry its old fingerprint, and ``[run] sources`` refuses to mix them.
 """
 
 from __future__ import annotations
