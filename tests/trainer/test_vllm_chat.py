@@ -1,5 +1,6 @@
 """The vLLM backend in the sync loop with chat-rendered prompts, a model folder with its own code
-([model].trust_remote_code) and LoRA adapters: one engine start covers all three.
+([model].trust_remote_code) and LoRA adapters: one engine start covers all three (and the
+transformers backend runs the same folder, which without trust_remote_code is refused).
 
 The model folder is a tiny Qwen2 with a chat template whose config.json names its own config
 class (``auto_map``, model_type ``tiny_remote``): neither transformers nor vLLM read it without
@@ -112,6 +113,41 @@ def test_the_folder_needs_trust_remote_code(model_dir):
 
     with pytest.raises(ValueError, match="custom code"):  # refused before an engine starts
         VLLMGenerator(model_dir)
+
+
+def test_without_trust_remote_code_the_run_is_refused_in_one_line(tmp_path, model_dir):
+    from trainer.errors import ConfigError
+    from trainer.run.sync import train
+
+    cfg = TrainConfig.from_dict(
+        {"model": {"path": str(model_dir)}, "run": {"dir": str(tmp_path / "run")}}
+    )
+    with pytest.raises(ConfigError, match=r"set \[model\].trust_remote_code = true"):
+        train(cfg, progress=False)
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_transformers_backend_runs_the_folder_with_trust_remote_code(tmp_path, model_dir):
+    """The sync loop's transformers generator gets [model].trust_remote_code too."""
+    from trainer.run.sync import train
+
+    cfg = TrainConfig.from_dict(
+        {
+            "model": {"path": str(model_dir), "device": "cpu", "trust_remote_code": True},
+            "task": {"name": "arith", "chat_template": True, "eval_prompts": 2,
+                     "options": {"max_operands": 2, "max_digits": 1, "ops": ["+"]}},
+            "generation": {"backend": "hf", "group_size": 2, "max_tokens": 4,
+                           "prompts_per_round": 4},
+            "run": {"dir": str(tmp_path / "run"), "steps": 1, "batch_size": 8,
+                    "eval_every": 0, "checkpoint_every": 1},
+        }
+    )  # fmt: skip
+    assert train(cfg, progress=False).steps == 1
+    rows = RolloutStore.open(tmp_path / "run" / "store", create=False).sql(
+        "SELECT prompt_text, generator FROM rollouts"
+    )
+    assert rows.num_rows == 8
+    assert all(g.startswith("transformers/") for g in rows["generator"].to_pylist())
 
 
 def test_stored_prompt_ids_are_the_chat_template_ids(run, model_dir):

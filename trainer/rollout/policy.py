@@ -33,7 +33,7 @@ class LivePolicy:
     The transformers generator is built at the first sync, on the learner's device, in
     ``[generation].dtype`` (default the learner's ``[model].dtype``) and with the learner's
     attention implementation. A LoRA learner's weights arrive merged (``Learner.full_weights``).
-    ``trust_remote_code``: ``[model].trust_remote_code``, passed on to the vLLM engine.
+    ``trust_remote_code``: ``[model].trust_remote_code``, for either generator.
     """
 
     def __init__(
@@ -49,7 +49,7 @@ class LivePolicy:
         trust_remote_code: bool = False,
     ):
         self.backend, self.model_dir, self.weights_dir = backend, model_dir, weights_dir
-        self.run_id = run_id
+        self.run_id, self.trust_remote_code = run_id, trust_remote_code
         self.gen = None
         self.version: int | None = None
         self.events: list[dict] = []  # vLLM: one per new version (verification and how loaded)
@@ -102,9 +102,7 @@ class LivePolicy:
             policy_version=0,
             policy_id=self.run_id,
             attn_implementation=getattr(learner.model.config, "_attn_implementation", None),
-            # A folder with its own code (auto_map) loaded into the learner only with
-            # [model].trust_remote_code, so the generator may run it too.
-            trust_remote_code=bool(getattr(learner.model.config, "auto_map", None)),
+            trust_remote_code=self.trust_remote_code,  # [model].trust_remote_code
         )
 
     def close(self) -> None:
