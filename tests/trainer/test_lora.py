@@ -107,7 +107,7 @@ def test_checkpoints_hold_only_the_adapters(run, llama):
     )
 
 
-def test_base_weights_never_move_and_generators_get_merged_weights(run, llama):
+def test_base_weights_never_move_and_generators_get_merged_weights(run, llama, tmp_path):
     init = load_file(str(llama / "model.safetensors"))
     folder = max((run / "weights").glob("v-*"), key=lambda p: p.name)
     published = load_file(str(folder / "model.safetensors"))
@@ -118,8 +118,16 @@ def test_base_weights_never_move_and_generators_get_merged_weights(run, llama):
     targets = {k for k in init if k.split(".")[-2] in LORA_TARGETS}
     assert all(torch.equal(published[k], init[k]) for k in set(init) - targets)
     assert all(not torch.equal(published[k], init[k]) for k in targets)
-    merged = merged_state(_lora_model(llama, run, STEPS))
+    lora = _lora_model(llama, run, STEPS)
+    merged = merged_state(lora)
     assert all(torch.equal(merged[k], published[k]) for k in published)
+    # Publishing a module merges; a state dict that still holds adapters is refused.
+    from trainer.rollout.weights import publish_weights
+
+    again = publish_weights(tmp_path / "w", STEPS, lora, template=llama)
+    assert load_file(str(again / "model.safetensors")).keys() == published.keys()
+    with pytest.raises(ValueError, match="LoRA adapter tensors"):
+        publish_weights(tmp_path / "w", STEPS + 1, lora.state_dict(), template=llama)
     # The published folder loads as a normal model (strictly: names and shapes).
     model, _ = load_model(folder)
     assert set(model.state_dict()) == set(init)
