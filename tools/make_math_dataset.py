@@ -6,6 +6,12 @@ and ``.parquet`` outputs work too). Each record is ``{"question": ..., "answer":
 integers (``12``), boxed integers (``\\boxed{7}``), fractions (``3/4`` or ``\\frac{3}{4}``)
 and decimals (``1.5``). The same arguments always write the same file. Train on it with
 ``reward = "math"`` (examples/math.toml).
+
+Difficulty: ``--kinds add,sub`` keeps only those kinds (of add, sub, mul, fraction, decimal) and
+``--max-operand 9`` draws the operands of add / sub / mul from 1..9 (2..9 for mul) instead of
+the default ranges (add 2..40, sub 10..60, mul 2..12 x 2..9); a tiny model learns single-digit
+sums in minutes on a CPU (docs/results.md, "A math run that learns"). The defaults write the
+files they always wrote.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from pathlib import Path
 
 NAMES = ("Ana", "Ben", "Chen", "Dara", "Eli", "Fay", "Gus", "Hana", "Ivo", "Jo")
 ITEMS = ("apples", "pencils", "stickers", "marbles", "books", "coins")
+KINDS = ("add", "sub", "mul", "fraction", "decimal")
 
 
 def _int_answer(rng: random.Random, value: int) -> str:
@@ -32,20 +39,23 @@ def _frac_answer(rng: random.Random, value: Fraction) -> str:
     return f"{value.numerator}/{value.denominator}"
 
 
-def _problem(rng: random.Random) -> dict[str, str]:
+def _problem(
+    rng: random.Random, kinds: tuple[str, ...] = KINDS, max_operand: int | None = None
+) -> dict[str, str]:
     name, item = rng.choice(NAMES), rng.choice(ITEMS)
-    kind = rng.choice(("add", "sub", "mul", "fraction", "decimal"))
+    kind = rng.choice(kinds)
+    m = max_operand
     if kind == "add":
-        a, b = rng.randint(2, 40), rng.randint(2, 40)
+        a, b = (rng.randint(2, 40), rng.randint(2, 40)) if m is None else _two(rng, 1, m)
         q = f"{name} has {a} {item} and gets {b} more. How many {item} does {name} have now?"
         answer = _int_answer(rng, a + b)
     elif kind == "sub":
-        a = rng.randint(10, 60)
+        a = rng.randint(10, 60) if m is None else rng.randint(2, m)
         b = rng.randint(1, a - 1)
         q = f"{name} had {a} {item} and gave away {b}. How many {item} are left?"
         answer = _int_answer(rng, a - b)
     elif kind == "mul":
-        a, b = rng.randint(2, 12), rng.randint(2, 9)
+        a, b = (rng.randint(2, 12), rng.randint(2, 9)) if m is None else _two(rng, 2, m)
         q = f"{name} buys {b} boxes with {a} {item} in each. How many {item} is that in total?"
         answer = _int_answer(rng, a * b)
     elif kind == "fraction":
@@ -70,19 +80,38 @@ def _problem(rng: random.Random) -> dict[str, str]:
     return {"question": q, "answer": answer, "kind": kind}
 
 
-def make_problems(n: int, seed: int = 0) -> list[dict[str, str]]:
-    """``n`` problems; the same ``(n, seed)`` gives the same list."""
+def _two(rng: random.Random, lo: int, hi: int) -> tuple[int, int]:
+    return rng.randint(lo, hi), rng.randint(lo, hi)
+
+
+def make_problems(
+    n: int, seed: int = 0, *, kinds: tuple[str, ...] = KINDS, max_operand: int | None = None
+) -> list[dict[str, str]]:
+    """``n`` problems of ``kinds``; the same arguments give the same list."""
     if n < 1:
         raise ValueError(f"problems must be >= 1, got {n}")
+    kinds = tuple(kinds)
+    unknown = sorted(set(kinds) - set(KINDS))
+    if not kinds or unknown:
+        raise ValueError(f"kinds must be some of {', '.join(KINDS)}, got {', '.join(kinds)}")
+    if max_operand is not None and max_operand < 2:
+        raise ValueError(f"max operand must be >= 2, got {max_operand}")
     rng = random.Random(f"math-dataset:{seed}")
-    return [_problem(rng) for _ in range(n)]
+    return [_problem(rng, kinds, max_operand) for _ in range(n)]
 
 
-def write_dataset(path: str | Path, n: int, seed: int = 0) -> Path:
+def write_dataset(
+    path: str | Path,
+    n: int,
+    seed: int = 0,
+    *,
+    kinds: tuple[str, ...] = KINDS,
+    max_operand: int | None = None,
+) -> Path:
     """Write :func:`make_problems` to ``path`` (.jsonl, .jsonl.zst or .parquet)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    records = make_problems(n, seed)
+    records = make_problems(n, seed, kinds=kinds, max_operand=max_operand)
     if path.name.endswith(".parquet"):
         import pyarrow as pa
         import pyarrow.parquet as pq
@@ -107,9 +136,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("out", type=Path, help="output file: .jsonl, .jsonl.zst or .parquet")
     ap.add_argument("--problems", type=int, default=2000)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--kinds", default=",".join(KINDS), help=f"comma-separated, some of {','.join(KINDS)}"
+    )
+    ap.add_argument(
+        "--max-operand", type=int, default=None,
+        help="operands of add/sub/mul up to this (default: 2..40, 10..60, 2..12 x 2..9)",
+    )  # fmt: skip
     args = ap.parse_args(argv)
+    kinds = tuple(k.strip() for k in args.kinds.split(",") if k.strip())
     try:
-        path = write_dataset(args.out, args.problems, args.seed)
+        path = write_dataset(
+            args.out, args.problems, args.seed, kinds=kinds, max_operand=args.max_operand
+        )
     except ValueError as exc:
         ap.error(str(exc))
     print(f"wrote {args.problems} problems to {path}")

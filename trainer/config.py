@@ -1,6 +1,7 @@
 """The run configuration: one TOML file, one frozen dataclass per section.
 
     [model]       path = "tiny" (build one) or a model folder
+    [model.lora]  LoRA adapters through peft (trainer.models.lora.LoraSettings; off when absent)
     [task]        name = "arith", plus the task's own options under [task.options]
     [generation]  backend, group size, sampling, prompts per round
     [replay]      rolloutstore.ReplayConfig
@@ -30,6 +31,7 @@ from trainer.algo.loss import LossConfig
 from trainer.algo.optim import OptimConfig
 from trainer.control import ControlConfig
 from trainer.errors import ConfigError
+from trainer.models.lora import LoraSettings
 from trainer.rollout.sampling import GenerationConfig
 from trainer.tasks import Task, get_task
 from trainer.tasks.chat import check_chat_mode
@@ -69,8 +71,15 @@ class ModelConfig:
     trust_remote_code: bool = _h(
         "run the model folder's own Python code (only for folders you trust)", False
     )
+    lora: LoraSettings | None = _h(
+        "[model.lora]: train LoRA adapters (peft) instead of every weight; generators get the "
+        "merged weights (trainer/models/lora.py)",
+        None,
+    )
 
     def __post_init__(self) -> None:
+        if self.lora is not None:
+            object.__setattr__(self, "lora", LoraSettings.from_table(self.lora))
         if self.hidden_size % 64:
             raise ValueError(f"hidden_size must be a multiple of 64, got {self.hidden_size}")
         for key, kind in (("dtype", Dtype), ("attn_implementation", AttnImplementation)):
@@ -215,21 +224,25 @@ def _build(section: str, cls: type, values: dict[str, Any]) -> Any:
         raise ConfigError(f"[{section}]: {exc}") from exc
 
 
-def _split_control(replay: Any) -> tuple[Any, dict[str, Any]]:
-    """``[replay]`` minus its ``control`` subtable (also ``control.key`` as from ``--set``)."""
-    if not isinstance(replay, dict):
-        return replay, {}
-    rest, control = {}, {}
-    for key, value in replay.items():
-        if key == "control":
+def _split_sub(values: Any, section: str, sub: str) -> tuple[Any, dict[str, Any] | None]:
+    """``[section]`` minus its ``sub`` subtable (also ``sub.key`` as from ``--set``); the
+    subtable is None when neither appears (or it is given as null, e.g. in a run.json)."""
+    if not isinstance(values, dict):
+        return values, None
+    rest: dict[str, Any] = {}
+    table: dict[str, Any] | None = None
+    for key, value in values.items():
+        if key == sub:
+            if value is None:
+                continue
             if not isinstance(value, dict):
-                raise ConfigError(f"[replay.control] must be a table, got {type(value).__name__}")
-            control.update(value)
-        elif key.startswith("control."):
-            control[key.removeprefix("control.")] = value
+                raise ConfigError(f"[{section}.{sub}] must be a table, got {type(value).__name__}")
+            table = {**(table or {}), **value}
+        elif key.startswith(f"{sub}."):
+            table = {**(table or {}), key.removeprefix(f"{sub}."): value}
         else:
             rest[key] = value
-    return rest, control
+    return rest, table
 
 
 @dataclass(frozen=True)
@@ -249,6 +262,11 @@ class TrainConfig:
             # distribution the learner scores.
             gen = dataclasses.replace(self.generation, dtype=self.model.dtype)
             object.__setattr__(self, "generation", gen)
+        if self.model.lora is not None and self.run.fsdp:
+            raise ConfigError(
+                "[model.lora] with [run].fsdp = true is not supported (the adapters are small: "
+                "train them with DDP replicas); set [run].fsdp = false or remove [model.lora]"
+            )
         if self.control.enabled and self.run.mode != "sync":
             raise ConfigError(
                 "[replay.control].enabled: the replay-ratio controller drives the sync loop "
@@ -263,11 +281,15 @@ class TrainConfig:
                     f"[{section}]: unknown section; known sections: {', '.join(SECTIONS)}"
                 )
         d = dict(d)
-        replay, control = _split_control(d.get("replay", {}))
+        replay, control = _split_sub(d.get("replay", {}), "replay", "control")
         d["replay"] = replay
+        model, lora = _split_sub(d.get("model", {}), "model", "lora")
+        if lora is not None:
+            model = {**model, "lora": lora}
+        d["model"] = model
         return cls(
             **{name: _build(name, kind, d.get(name, {})) for name, kind in SECTIONS.items()},
-            control=_build("replay.control", ControlConfig, control),
+            control=_build("replay.control", ControlConfig, control or {}),
         )
 
     @classmethod

@@ -308,7 +308,8 @@ class Learner:
             return self._logprobs(self.model, b, entropy=False)[0]
 
     def full_weights(self, *, all_ranks: bool = False) -> dict[str, Tensor]:
-        """The model's full (unsharded) state dict, on CPU when sharded.
+        """The model's full (unsharded) state dict, on CPU when sharded; with LoRA adapters the
+        merged weights under the base names (what generators load; trainer/models/lora.py).
 
         Sharded, this is a collective: every rank must call it; rank 0 gets the tensors, the
         others ``{}`` unless ``all_ranks``.

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from trainer.models.lora import generator_state
+
 if TYPE_CHECKING:
     from trainer.algo.learner import Learner
 
@@ -23,7 +25,7 @@ __all__ = ["full_weights", "load_learner_state", "learner_state"]
 def full_weights(learner: Learner, *, all_ranks: bool = False) -> dict[str, Tensor]:
     """The model's full (unsharded) state dict, on CPU when sharded (see Learner.full_weights)."""
     if not learner.sharded:
-        return learner.model.state_dict()
+        return generator_state(learner.model)  # LoRA adapters merged into base weights
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,

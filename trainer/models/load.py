@@ -126,11 +126,37 @@ def check_model_dir(path: str | Path) -> Path:
     return path
 
 
+def check_no_remote_code(path: Path) -> None:
+    """ConfigError naming ``[model].trust_remote_code`` when the folder's model type exists only
+    in its own code (``auto_map`` in config.json, a type transformers does not know)."""
+    import json
+
+    from transformers import CONFIG_MAPPING
+
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return  # loading reports it
+    model_type = cfg.get("model_type")
+    if cfg.get("auto_map") and model_type not in CONFIG_MAPPING:
+        raise ConfigError(
+            f"[model].path {str(path)!r} is a {model_type!r} model defined by the folder's own "
+            f"code (auto_map in config.json): set [model].trust_remote_code = true if you trust it"
+        )
+
+
 def check_model(model_cfg: Any) -> None:
     """Everything about ``[model]`` that depends on this machine or the folder, checked before
-    any run state is written: the folder, the device, the dtype on it, the attention."""
+    any run state is written: the folder (and its own code without trust_remote_code), the
+    device, the dtype on it, the attention, and peft for ``[model.lora]``."""
     if model_cfg.path != "tiny":
         check_model_dir(model_cfg.path)
+        if not model_cfg.trust_remote_code:
+            check_no_remote_code(Path(model_cfg.path))
     device = resolve_device(model_cfg.device)
     resolve_dtype(model_cfg.dtype, device)
     check_attn_implementation(model_cfg.attn_implementation)
+    if getattr(model_cfg, "lora", None) is not None:
+        from trainer.models.lora import require_peft
+
+        require_peft()

@@ -8,8 +8,8 @@ give byte-identical ``tokenizer.json`` and ``model.safetensors``.
 Python: ``make_tiny_model(tmp_path / "tiny", task="arith", seed=0)``.
 CLI:    ``python tools/make_tiny_model.py PATH --task arith --seed 0``.
 
-:func:`tokenizer_fingerprint` identifies a tokenizer by content (vocab, merges, special tokens);
-rollouts are only reused across tokenizers that share a fingerprint.
+:func:`tokenizer_fingerprint` identifies a tokenizer by content (vocab, merges, special tokens,
+chat template); rollouts are only reused across tokenizers that share a fingerprint.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ PAD_TOKEN = "<|pad|>"
 REQUIRED_HEAD_DIM = 64
 # unk is left out: byte-level BPE never emits it, and Qwen2Tokenizer invents a default one.
 # The chat template of make_tiny_model(chat_template=True): ChatML-like turns in plain-text
-# markers (no extra special tokens, so the vocabulary and the fingerprint stay the same).
+# markers (no extra special tokens: the vocabulary stays the same; the fingerprint covers it).
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"

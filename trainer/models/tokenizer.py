@@ -1,4 +1,11 @@
-"""Tokenizer fingerprints: rollouts are reused only across tokenizers that share one."""
+"""Tokenizer fingerprints: rollouts are reused only across tokenizers that share one.
+
+A fingerprint covers what decides a rollout's token ids: the vocabulary, the merges, the added
+and special tokens, and the chat template (it renders the prompt text before tokenisation, so two
+templates give different ``prompt_ids`` for the same question). A tokenizer without a chat template
+keeps the fingerprint it had before templates were included; rows that a tokenizer *with* one
+stored before then carry its old fingerprint, and ``[run] sources`` refuses to mix them.
+"""
 
 from __future__ import annotations
 
@@ -25,7 +32,8 @@ def _normalise_merges(merges: list[Any]) -> list[list[str]]:
 
 
 def tokenizer_fingerprint(tokenizer_or_path: Any) -> str:
-    """First 16 hex chars of a sha256 over the tokenizer's vocab, merges and special tokens.
+    """First 16 hex chars of a sha256 over the tokenizer's vocab, merges, special tokens and
+    chat template (when it has one).
 
     Accepts a ``PreTrainedTokenizerFast`` (or any HF fast tokenizer), a raw
     ``tokenizers.Tokenizer``, or a directory holding ``tokenizer.json`` (loaded locally only).
@@ -40,10 +48,12 @@ def tokenizer_fingerprint(tokenizer_or_path: Any) -> str:
         tok = PreTrainedTokenizerFast.from_pretrained(str(p), local_files_only=True)
 
     specials: dict[str, Any] = {}
+    template = None
     backend = getattr(tok, "backend_tokenizer", None)
     if backend is not None:
         for attr in _SPECIAL_ATTRS:
             specials[attr] = getattr(tok, attr, None)
+        template = _chat_template(tok)
     elif hasattr(tok, "to_str"):
         backend = tok
     else:
@@ -69,5 +79,18 @@ def tokenizer_fingerprint(tokenizer_or_path: Any) -> str:
         "added_tokens": added,
         "special_tokens": specials,
     }
+    if template is not None:  # absent, not null: template-less fingerprints stay as they were
+        payload["chat_template"] = template
     blob = json.dumps(payload, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()[:16]
+
+
+def _chat_template(tok: Any) -> str | list[list[str]] | None:
+    """The tokenizer's chat template: its text, named templates as sorted (name, text) pairs,
+    or None when it has none."""
+    template = getattr(tok, "chat_template", None)
+    if not template:
+        return None
+    if isinstance(template, dict):
+        return [[str(k), str(v)] for k, v in sorted(template.items())]
+    return str(template)

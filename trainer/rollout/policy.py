@@ -32,7 +32,8 @@ class LivePolicy:
 
     The transformers generator is built at the first sync, on the learner's device, in
     ``[generation].dtype`` (default the learner's ``[model].dtype``) and with the learner's
-    attention implementation.
+    attention implementation. A LoRA learner's weights arrive merged (``Learner.full_weights``).
+    ``trust_remote_code``: ``[model].trust_remote_code``, for either generator.
     """
 
     def __init__(
@@ -44,9 +45,11 @@ class LivePolicy:
         weights_dir: Path,
         run_id: str,
         seed: int,
+        *,
+        trust_remote_code: bool = False,
     ):
         self.backend, self.model_dir, self.weights_dir = backend, model_dir, weights_dir
-        self.run_id = run_id
+        self.run_id, self.trust_remote_code = run_id, trust_remote_code
         self.gen = None
         self.version: int | None = None
         self.events: list[dict] = []  # vLLM: one per new version (verification and how loaded)
@@ -54,13 +57,17 @@ class LivePolicy:
         if backend != "hf":
             # Quiet: one line per generation round would drown the progress bar; a
             # failed verification (and its restart) is still printed.
-            self.vllm = VLLMPolicy(generation, task, run_id, seed=seed, verbose=False)
+            self.vllm = VLLMPolicy(
+                generation, task, run_id, seed=seed, verbose=False,
+                trust_remote_code=trust_remote_code,
+            )  # fmt: skip
 
     def sync(self, learner: Learner, weights: dict[str, Any] | None = None):
-        """The generator at the learner's weights (``weights``: its gathered state dict)."""
+        """The generator at the learner's weights (``weights``: its gathered, merged state
+        dict, :meth:`Learner.full_weights`)."""
         v = learner.policy_version
         if weights is None:
-            weights = learner.model.state_dict()
+            weights = learner.full_weights()
         if self.backend == "hf":
             if self.gen is None:
                 self.gen = self._hf_generator(learner)
@@ -95,9 +102,7 @@ class LivePolicy:
             policy_version=0,
             policy_id=self.run_id,
             attn_implementation=getattr(learner.model.config, "_attn_implementation", None),
-            # A folder with its own code (auto_map) loaded into the learner only with
-            # [model].trust_remote_code, so the generator may run it too.
-            trust_remote_code=bool(getattr(learner.model.config, "auto_map", None)),
+            trust_remote_code=self.trust_remote_code,  # [model].trust_remote_code
         )
 
     def close(self) -> None:
@@ -105,12 +110,40 @@ class LivePolicy:
             self.vllm.close()
 
 
+def actor_policy(
+    backend: str, cfg: Any, task: Task, run_id: str, seed: int
+) -> HFPolicy | VLLMPolicy:
+    """An async actor's policy for ``backend`` from its run config (a TrainConfig): the
+    generator runs as the sync loop's does, in ``[generation].dtype`` on ``[model].device``
+    with the model's attention and ``trust_remote_code``."""
+    g, m = cfg.generation, cfg.model
+    if backend == "vllm":
+        return VLLMPolicy(g, task, run_id, seed=seed, trust_remote_code=m.trust_remote_code)
+    return HFPolicy(
+        run_id, device=m.device, dtype=g.dtype, attn_implementation=m.attn_implementation,
+        trust_remote_code=m.trust_remote_code,
+    )  # fmt: skip
+
+
 class HFPolicy:
     """HF backend: one generator for the actor's life, built from the first published folder
-    (a complete model folder, so an actor needs no local model); later versions load in place."""
+    (a complete model folder, so an actor needs no local model); later versions load in place.
 
-    def __init__(self, run_id: str):
+    ``device`` / ``dtype``: ``[model].device`` and ``[generation].dtype`` (``auto`` as in
+    :mod:`trainer.models.load`); the generator is built on that device, in that precision."""
+
+    def __init__(
+        self,
+        run_id: str,
+        *,
+        device: str = "auto",
+        dtype: str = "auto",
+        attn_implementation: str | None = None,
+        trust_remote_code: bool = False,
+    ):
         self.run_id, self.gen = run_id, None
+        self.device, self.dtype = device, dtype
+        self.attn_implementation, self.trust_remote_code = attn_implementation, trust_remote_code
 
     def load(self, version: int, folder: Path):
         from safetensors.torch import load_file
@@ -131,8 +164,11 @@ class HFPolicy:
         import shutil
         import tempfile
 
+        from trainer.models.load import resolve_device, resolve_dtype
         from trainer.rollout.hf import HFGenerator
 
+        device = resolve_device(self.device)
+        dtype = resolve_dtype(self.dtype, device, key="[generation].dtype")
         with tempfile.TemporaryDirectory(prefix="actor-weights-") as tmp:
             copy = Path(tmp) / folder.name
             try:
@@ -141,7 +177,11 @@ class HFPolicy:
                 raise FileNotFoundError(f"published weights {folder} were pruned") from exc
             if not all((copy / f).is_file() for f in ("config.json", "model.safetensors")):
                 raise FileNotFoundError(f"published weights {folder} were pruned")
-            return HFGenerator(copy, policy_version=version, policy_id=self.run_id)
+            return HFGenerator(
+                copy, policy_version=version, policy_id=self.run_id, device=device, dtype=dtype,
+                attn_implementation=self.attn_implementation,
+                trust_remote_code=self.trust_remote_code,
+            )  # fmt: skip
 
     def close(self) -> None:
         pass
@@ -156,7 +196,8 @@ class VLLMPolicy:
     tokens' log-probs must match a teacher-forced recomputation of the new weights within
     the engine's verify_tolerance (its dtype's: max gap in float32, clipped mean in bf16). An update that fails this check is logged and
     the engine restarted from the folder, which is verified again; a mismatch there stops the
-    actor. The engine takes its settings from ``[generation]`` (GenerationConfig.engine_options).
+    actor. The engine takes its settings from ``[generation]`` (GenerationConfig.engine_options)
+    and ``trust_remote_code`` (``[model].trust_remote_code``) from the caller.
     """
 
     def __init__(
@@ -167,9 +208,11 @@ class VLLMPolicy:
         seed: int,
         *,
         verbose: bool = True,
+        trust_remote_code: bool = False,
     ):
         self.generation, self.task, self.run_id = generation, task, run_id
         self.seed, self.verbose = seed, verbose
+        self.trust_remote_code = trust_remote_code
         self.gen = None
         self.last_gap: float | None = None  # of the newest verification
         self.restarts = 0  # engine starts, the first included
@@ -223,10 +266,13 @@ class VLLMPolicy:
             policy_version=version,
             policy_id=self.run_id,
             seed=self.seed,
+            trust_remote_code=self.trust_remote_code,
             **self.generation.engine_options(),
         )
         self.restarts += 1
-        self.last_gap = verify_logprobs(self.gen, folder, self.generation, self.task)
+        self.last_gap = verify_logprobs(
+            self.gen, folder, self.generation, self.task, trust_remote_code=self.trust_remote_code
+        )
         if self.verbose:
             print(
                 f"policy version {version}: engine started from {folder} and verified "
@@ -242,7 +288,13 @@ class VLLMPolicy:
 
 
 def verify_logprobs(
-    gen: Any, folder: Path, generation: GenerationConfig, task: Task, prompts: int = 2
+    gen: Any,
+    folder: Path,
+    generation: GenerationConfig,
+    task: Task,
+    prompts: int = 2,
+    *,
+    trust_remote_code: bool = False,
 ) -> float:
     """Largest |generator log-prob - teacher-forced log-prob| (float32) on a few samples; raises
     if above the generator's tolerance (its dtype's, VERIFY_TOLERANCE for float32)."""
@@ -251,7 +303,7 @@ def verify_logprobs(
     g = generation
     texts = [p.prompt_text for p in task.make_prompts(prompts, seed=123_457)]
     rows = gen.generate(texts, **g.sampling(group_size=2, seed=0).kwargs())
-    model, _ = load_model(folder)
+    model, _ = load_model(folder, trust_remote_code=trust_remote_code)
     gaps = logprob_gaps(model, rows)
     dtype = getattr(gen, "dtype", None)
     statistic, tol = ("max", VERIFY_TOLERANCE) if dtype is None else verify_tolerance(dtype)

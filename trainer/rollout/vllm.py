@@ -98,6 +98,43 @@ def prompt_seed(seed: int, prompt_index: int) -> int:
     return int.from_bytes(digest, "little") >> 2
 
 
+def _check_engine_args(
+    gpu_memory_utilization: float | None,
+    kv_cache_gib: float | None,
+    kv_cache_memory_bytes: int | None,
+    max_model_len: int | None,
+    llm_kwargs: Mapping[str, Any],
+) -> int | None:
+    """Refuse bad engine settings before vLLM is imported; the KV cache size in bytes (None:
+    the default)."""
+    if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+    if kv_cache_gib is not None:
+        if kv_cache_memory_bytes is not None:
+            raise ValueError("give kv_cache_gib or kv_cache_memory_bytes, not both")
+        if not kv_cache_gib > 0:
+            raise ValueError(f"kv_cache_gib must be > 0 or None, got {kv_cache_gib!r}")
+        kv_cache_memory_bytes = int(kv_cache_gib * 2**30)
+    if kv_cache_memory_bytes is not None and (
+        isinstance(kv_cache_memory_bytes, bool)
+        or not isinstance(kv_cache_memory_bytes, int)
+        or kv_cache_memory_bytes < 1
+    ):
+        raise ValueError(
+            f"kv_cache_memory_bytes must be None or an int >= 1, got {kv_cache_memory_bytes!r}"
+        )
+    if max_model_len is not None and (
+        isinstance(max_model_len, bool) or not isinstance(max_model_len, int)
+    ):
+        raise ValueError(f"max_model_len must be an int or None, got {max_model_len!r}")
+    if max_model_len is not None and max_model_len < 2:
+        raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
+    for key in ("model", "tokenizer", "logprobs_mode", "worker_extension_cls"):
+        if key in llm_kwargs:
+            raise ValueError(f"llm_kwargs may not set {key!r}; VLLMGenerator sets it")
+    return kv_cache_memory_bytes
+
+
 @dataclass(frozen=True)
 class WeightUpdate:
     """One verified in-place update: the new version, the measured log-prob gap, and times."""
@@ -123,6 +160,8 @@ class VLLMGenerator:
       cache is sized explicitly there.
     - ``gpu_memory_utilization``: None: 0.5 on GPU (the sync learner shares it), 0.05 on CPU.
     - ``tensor_parallel_size``, ``enforce_eager``: as in vLLM.
+    - ``trust_remote_code``: ``[model].trust_remote_code``; the engine, the tokenizer and the
+      verification's reference model run the folder's own code.
 
     ``llm_kwargs`` go to ``vllm.LLM`` unchanged. Call :meth:`close` (or use the generator as a
     context manager) to stop the engine.
@@ -142,78 +181,33 @@ class VLLMGenerator:
         dtype: str = "auto",
         tensor_parallel_size: int = 1,
         enforce_eager: bool = False,
+        trust_remote_code: bool = False,
         **llm_kwargs: Any,
     ) -> None:
         if isinstance(policy_version, bool) or not isinstance(policy_version, int):
             raise ValueError(f"policy_version must be an int, got {policy_version!r}")
-        if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
-            raise ValueError(
-                f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}"
-            )
-        if kv_cache_gib is not None:
-            if kv_cache_memory_bytes is not None:
-                raise ValueError("give kv_cache_gib or kv_cache_memory_bytes, not both")
-            if not kv_cache_gib > 0:
-                raise ValueError(f"kv_cache_gib must be > 0 or None, got {kv_cache_gib!r}")
-            kv_cache_memory_bytes = int(kv_cache_gib * 2**30)
-        if kv_cache_memory_bytes is not None and (
-            isinstance(kv_cache_memory_bytes, bool)
-            or not isinstance(kv_cache_memory_bytes, int)
-            or kv_cache_memory_bytes < 1
-        ):
-            raise ValueError(
-                f"kv_cache_memory_bytes must be None or an int >= 1, got {kv_cache_memory_bytes!r}"
-            )
-        if max_model_len is not None and (
-            isinstance(max_model_len, bool) or not isinstance(max_model_len, int)
-        ):
-            raise ValueError(f"max_model_len must be an int or None, got {max_model_len!r}")
-        if max_model_len is not None and max_model_len < 2:
-            raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
-        for key in ("model", "tokenizer", "logprobs_mode", "worker_extension_cls"):
-            if key in llm_kwargs:
-                raise ValueError(f"llm_kwargs may not set {key!r}; VLLMGenerator sets it")
+        kv_cache_memory_bytes = _check_engine_args(
+            gpu_memory_utilization, kv_cache_gib, kv_cache_memory_bytes, max_model_len, llm_kwargs
+        )
         vllm = _import_vllm()
-        from transformers import AutoConfig, AutoTokenizer
-
-        from trainer.models.load import dtype_name, resolve_dtype
-        from trainer.models.tokenizer import tokenizer_fingerprint
+        from trainer.models.load import resolve_dtype
 
         on_cpu = _on_cpu()
         self.model_path = Path(model_path)
         self.policy_version = policy_version
         self.policy_id = policy_id
         self.generator_name = f"vllm/{vllm.__version__}"
-        trust = bool(llm_kwargs.get("trust_remote_code", False))
-        self.tokenizer = AutoTokenizer.from_pretrained(
-            str(model_path), local_files_only=True, trust_remote_code=trust
-        )
-        self._hf_config = AutoConfig.from_pretrained(
-            str(model_path), local_files_only=True, trust_remote_code=trust
-        )
-        self.tokenizer_fingerprint = tokenizer_fingerprint(self.tokenizer)
-        self.max_model_len = _max_model_len(self._hf_config, max_model_len, self.model_path)
+        # [model].trust_remote_code: the folder's own code runs here (tokenizer, config, the
+        # verification's reference model) and in the engine.
+        self.trust_remote_code = bool(trust_remote_code)
+        self._load_hf_side(max_model_len)
         self.dtype = resolve_dtype(
             dtype, torch.device("cpu" if on_cpu else "cuda"), key="[generation].dtype"
         )
-        if kv_cache_memory_bytes is None and on_cpu:
-            kv_cache_memory_bytes = 512 * 2**20
-        if gpu_memory_utilization is None:
-            gpu_memory_utilization = 0.05 if on_cpu else 0.5
-        options: dict[str, Any] = {
-            "seed": seed,
-            "dtype": dtype_name(self.dtype),
-            "gpu_memory_utilization": gpu_memory_utilization,
-            "kv_cache_memory_bytes": kv_cache_memory_bytes,
-            "max_model_len": self.max_model_len,
-            "tensor_parallel_size": tensor_parallel_size,
-            "enforce_eager": enforce_eager,
-            # The checkpoint's generation_config.json must not add defaults (repetition penalty,
-            # top-k, ...) that the recorded sampling settings would not show.
-            "generation_config": "vllm",
-            # Adds the worker method behind update_weights (in-place weight updates).
-            "worker_extension_cls": EXTENSION,
-        }
+        options = self._engine_options(
+            on_cpu, seed, gpu_memory_utilization, kv_cache_memory_bytes, tensor_parallel_size,
+            enforce_eager,
+        )  # fmt: skip
         options.update(llm_kwargs)
         self._reference: Any = None  # HF model of the current weights, for verification
         self._refusal: str | None = None  # set while the engine may hold unverified weights
@@ -223,6 +217,55 @@ class VLLMGenerator:
             logprobs_mode=LOGPROBS_MODE,
             **options,
         )
+
+    def _load_hf_side(self, max_model_len: int | None) -> None:
+        """The checkpoint's tokenizer (prompts in, completions out), its fingerprint, its config
+        and the engine's max_model_len."""
+        from transformers import AutoConfig, AutoTokenizer
+
+        from trainer.models.tokenizer import tokenizer_fingerprint
+
+        path, trust = str(self.model_path), self.trust_remote_code
+        self.tokenizer = AutoTokenizer.from_pretrained(
+            path, local_files_only=True, trust_remote_code=trust
+        )
+        self._hf_config = AutoConfig.from_pretrained(
+            path, local_files_only=True, trust_remote_code=trust
+        )
+        self.tokenizer_fingerprint = tokenizer_fingerprint(self.tokenizer)
+        self.max_model_len = _max_model_len(self._hf_config, max_model_len, self.model_path)
+
+    def _engine_options(
+        self,
+        on_cpu: bool,
+        seed: int,
+        gpu_memory_utilization: float | None,
+        kv_cache_memory_bytes: int | None,
+        tensor_parallel_size: int,
+        enforce_eager: bool,
+    ) -> dict[str, Any]:
+        """``vllm.LLM`` keyword arguments (the CPU defaults filled in; see the class docstring)."""
+        from trainer.models.load import dtype_name
+
+        if kv_cache_memory_bytes is None and on_cpu:
+            kv_cache_memory_bytes = 512 * 2**20
+        if gpu_memory_utilization is None:
+            gpu_memory_utilization = 0.05 if on_cpu else 0.5
+        return {
+            "seed": seed,
+            "dtype": dtype_name(self.dtype),
+            "gpu_memory_utilization": gpu_memory_utilization,
+            "kv_cache_memory_bytes": kv_cache_memory_bytes,
+            "max_model_len": self.max_model_len,
+            "tensor_parallel_size": tensor_parallel_size,
+            "enforce_eager": enforce_eager,
+            "trust_remote_code": self.trust_remote_code,
+            # The checkpoint's generation_config.json must not add defaults (repetition penalty,
+            # top-k, ...) that the recorded sampling settings would not show.
+            "generation_config": "vllm",
+            # Adds the worker method behind update_weights (in-place weight updates).
+            "worker_extension_cls": EXTENSION,
+        }
 
     @property
     def verify_tolerance(self) -> tuple[str, float]:
@@ -335,7 +378,9 @@ class VLLMGenerator:
 
             # From the config read at start-up: the start folder may be pruned by now, and
             # load_state_dict(strict=True) then overwrites every weight.
-            model = AutoModelForCausalLM.from_config(self._hf_config, dtype=torch.float32)
+            model = AutoModelForCausalLM.from_config(
+                self._hf_config, dtype=torch.float32, trust_remote_code=self.trust_remote_code
+            )
             self._reference = model.float().eval()
         return self._reference
 

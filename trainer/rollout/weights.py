@@ -12,6 +12,10 @@ one PUT that readers see whole or not at all; actors on other machines poll
 ``LATEST`` and download a version once into a local cache (:func:`fetch_weights`).
 Storage options use Lance's keys (``aws_access_key_id``, ``aws_endpoint``, ...), so
 one dict serves the store and the weights; without them the AWS_* environment is used.
+
+A LoRA learner (``[model.lora]``) publishes merged full weights under the base model's names
+(:func:`trainer.models.lora.generator_state`), so every generator, a vLLM actor included, loads
+a published folder as a normal model.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from pathlib import Path
 import pyarrow.fs as pafs
 import torch
 from safetensors.torch import save_file
+
+from trainer.models.lora import generator_state, has_lora
 
 VERSION_FMT = "v-{:09d}"
 
@@ -64,6 +70,21 @@ def state_tensors(model: torch.nn.Module | Mapping[str, torch.Tensor]) -> dict[s
     return {k: v.detach().contiguous().clone() for k, v in state.items()}
 
 
+def published_tensors(
+    model: torch.nn.Module | Mapping[str, torch.Tensor],
+) -> dict[str, torch.Tensor]:
+    """What a published folder holds: a module's generator weights (LoRA merged), or a state
+    dict as given; ValueError for a state dict that still holds adapter tensors."""
+    if isinstance(model, Mapping):
+        if has_lora(model):
+            raise ValueError(
+                "these weights hold LoRA adapter tensors: publish the merged weights "
+                "(Learner.full_weights() or trainer.models.lora.generator_state(model))"
+            )
+        return state_tensors(model)
+    return state_tensors(generator_state(model))
+
+
 def publish_weights(
     weights_dir: str | os.PathLike,
     version: int,
@@ -74,7 +95,7 @@ def publish_weights(
     storage_options: dict[str, str] | None = None,
 ) -> Path | str:
     """Publish ``model`` (or its state dict) as policy ``version``: a loadable model folder,
-    then ``LATEST``.
+    then ``LATEST``. A module with LoRA adapters is published merged (:func:`published_tensors`).
 
     ``template``: a model folder whose config and tokenizer files are copied beside
     the weights (so the folder loads with ``from_pretrained`` and in vLLM).
@@ -125,7 +146,7 @@ def _write_weights(tmp: Path, version: int, model: torch.nn.Module, template) ->
                 and (f.name != "model.safetensors.index.json")
             ):
                 shutil.copy2(f, tmp / f.name)
-    save_file(state_tensors(model), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    save_file(published_tensors(model), str(tmp / "model.safetensors"), metadata={"format": "pt"})
     (tmp / "policy_version.json").write_text(json.dumps({"policy_version": version}))
 
 

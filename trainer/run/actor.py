@@ -27,7 +27,7 @@ from trainer.config import (
 )
 from trainer.errors import ConfigError
 from trainer.rollout.pipeline import generate_rollouts, resolve_backend
-from trainer.rollout.policy import HFPolicy, VLLMPolicy
+from trainer.rollout.policy import actor_policy
 from trainer.rollout.weights import fetch_weights, latest_weights, read_text
 from trainer.run.faults import actor_crash
 
@@ -146,8 +146,7 @@ def run_actor(
     backend = resolve_backend(g.backend)
     # Learner and actors share the CPU cores; one thread each avoids oversubscription.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // (r.actors + 1)))
-    seed = r.seed + actor_id
-    policy = VLLMPolicy(g, task, run_id, seed=seed) if backend == "vllm" else HFPolicy(run_id)
+    policy = actor_policy(backend, cfg, task, run_id, seed=r.seed + actor_id)
 
     def stopped() -> bool:
         if max_rounds is not None and rounds >= max_rounds:

@@ -163,8 +163,6 @@ def async_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True
     """Run (or resume) the async loop described in the module docstring (learner side)."""
     from tqdm.auto import tqdm
 
-    from trainer.rollout.hf import HFGenerator
-
     run_dir = Path(cfg.run.dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     meta = run_meta(run_dir, cfg, resume)
@@ -186,7 +184,7 @@ def async_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True
     (run_dir / "STOP").unlink(missing_ok=True)
     metrics = Metrics(run_dir)
     actors = ActorPool(run_dir, r.actors, rounds_ahead(cfg), metrics)
-    generator = HFGenerator(model_dir, policy_version=learner.policy_version, policy_id=run_id)
+    generator = _eval_generator(cfg, model_dir, learner.policy_version, run_id)
     bar = tqdm(total=r.steps, initial=step, desc="train", unit="step", disable=not progress)
     last_eval = first_eval
     try:
@@ -266,9 +264,22 @@ def _publish(weights_dir: str | Path, learner: Any, model_dir: Path, options) ->
     )  # fmt: skip
 
 
+def _eval_generator(cfg: TrainConfig, model_dir: Path, version: int, run_id: str) -> Any:
+    """The learner's eval generator, on the device and in the precision the sync loop's and
+    the actors' generators use."""
+    from trainer.rollout.hf import HFGenerator
+
+    return HFGenerator(
+        model_dir, policy_version=version, policy_id=run_id,
+        device=cfg.model.device, dtype=cfg.generation.dtype,
+        attn_implementation=cfg.model.attn_implementation,
+        trust_remote_code=cfg.model.trust_remote_code,
+    )  # fmt: skip
+
+
 def _evaluate(generator: Any, learner: Any, task: Any, cfg: TrainConfig) -> float:
     """The eval reward of the learner's current weights, loaded into the HF generator."""
-    generator.model.load_state_dict(learner.model.state_dict())
+    generator.model.load_state_dict(learner.full_weights())  # LoRA: merged
     generator.policy_version = learner.policy_version
     return evaluate(generator, task, cfg)
 

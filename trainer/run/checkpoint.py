@@ -2,7 +2,8 @@
 
 A checkpoint is a folder ``RUN_DIR/checkpoints/step-000123/`` holding
 
-    model.safetensors   the weights (exact float bits)
+    model.safetensors   the weights (exact float bits); with [model.lora] only the adapters'
+                        (the base weights are frozen and reload from the model folder)
     trainer.pt          optimizer + LR schedule state, torch / numpy / python RNG states
     state.json          step, policy_version, store version, loader/selector state, config
     manifest.json       name, size and sha256 of each file above; written last
@@ -41,6 +42,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from trainer.errors import CheckpointError
+from trainer.models.lora import adapter_state, has_lora, is_adapter_state
 from trainer.rollout.weights import atomic_dir, state_tensors
 
 if TYPE_CHECKING:
@@ -110,6 +112,15 @@ def _to_refs(value: Any, weights: Any, torch_rng: torch.Tensor) -> Any:
         and torch.equal(value, torch_rng)
     ):
         return _TORCH_RNG_REF
+    return value
+
+
+def _replace_obj(value: Any, old: Any, new: Any) -> Any:
+    """``value`` with each occurrence of the object ``old`` (nested in dicts) replaced."""
+    if value is old:
+        return new
+    if isinstance(value, dict):
+        return {k: _replace_obj(v, old, new) for k, v in value.items()}
     return value
 
 
@@ -185,12 +196,40 @@ class Checkpoint:
     def restore(self, model: torch.nn.Module | None) -> tuple[dict, dict]:
         """Load the weights into ``model`` (``None``: leave them to the caller, e.g. a sharded
         learner restoring from ``trainer_state``), set the RNG states; return
-        (trainer_state, state) as :func:`load_checkpoint` does."""
-        if model is not None:
-            model.load_state_dict(self.weights, strict=True)
+        (trainer_state, state) as :func:`load_checkpoint` does.
+
+        An adapter-only checkpoint (``[model.lora]``) loads into a model with the same adapters
+        whose base weights came from the model folder; the returned ``trainer_state`` then
+        holds the model's whole state dict wherever it held the stored weights."""
         trainer_state = dict(self.trainer_state)
+        if model is not None:
+            full = self._load_into(model)
+            if full is not None:
+                trainer_state = _replace_obj(trainer_state, self.weights, full)
         set_rng_state(trainer_state.pop("rng"))
         return trainer_state, self.state
+
+    def _load_into(self, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+        """Load the weights; for adapter-only ones, return the model's whole state after."""
+        adapters, lora = is_adapter_state(self.weights), has_lora(model)
+        if adapters != lora:
+            has, run = ("LoRA adapters only", "without") if adapters else ("full weights", "with")
+            raise CheckpointError(
+                f"{self.path} holds {has}, but this run's model is {run} [model.lora]: resume "
+                f"with the [model] settings the run was started with (its run.json)"
+            )
+        if not adapters:
+            model.load_state_dict(self.weights, strict=True)
+            return None
+        missing = sorted(set(adapter_state(model.state_dict())) - set(self.weights))
+        unexpected = sorted(set(self.weights) - set(model.state_dict()))
+        if missing or unexpected:
+            raise CheckpointError(
+                f"{self.path}: its adapters do not fit this run's [model.lora] (missing "
+                f"{missing[:3]}, unexpected {unexpected[:3]}): resume with the run's own settings"
+            )
+        model.load_state_dict(self.weights, strict=False)
+        return model.state_dict()
 
 
 def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
@@ -317,9 +356,12 @@ def save_run_checkpoint(
     """Checkpoint everything a resume needs: learner state, loader position, store version,
     and (sync loop) the round schedule with the replay controller's state.
 
-    ``learner_state``: ``learner.state_dict()`` gathered beforehand (FSDP: on every rank)."""
+    ``learner_state``: ``learner.state_dict()`` gathered beforehand (FSDP: on every rank).
+    A LoRA learner's checkpoint holds only the adapter weights (and their optimizer state)."""
     if learner_state is None:
         learner_state = learner.state_dict()
+    if has_lora(learner_state["model"]):
+        learner_state = {**learner_state, "model": adapter_state(learner_state["model"])}
     return save_checkpoint(
         run_dir,
         step,

@@ -19,6 +19,7 @@ from trainer.algo.learner import Learner
 from trainer.config import TrainConfig, configured_location, storage_options_from_env
 from trainer.errors import RunDirError
 from trainer.models.load import check_model_dir, load_model, resolve_device, resolve_dtype
+from trainer.models.lora import apply_lora
 from trainer.run.checkpoint import (
     latest_checkpoint,
     newest_good_checkpoint,
@@ -44,14 +45,15 @@ def warm_start(
     """Supervised steps on task solutions so that early rewards are not all zero.
 
     Prompt (chat-rendered as the generator sees it) and answer are tokenized separately and
-    concatenated; only answer tokens (and EOS) carry loss.
+    concatenated; only answer tokens (and EOS) carry loss. Only trainable parameters move (with
+    LoRA: the adapters).
     """
     torch.manual_seed(seed)
     prompts = render_prompts(
         tokenizer, task.make_prompts(steps * batch, seed=seed + 7_919), task.chat_template
     )
     eos = tokenizer.eos_token_id
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
     model.train()
     losses = []
     for i in range(steps):
@@ -120,29 +122,16 @@ def setup_learner(
     checkpoint (returned as its state dict) or warm-starts the fresh model. With ``dist``
     the loader yields this rank's share of each step and the learner is DDP-wrapped (or,
     with ``run.fsdp``, sharded before the restore, which then re-shards the full checkpoint).
+    With ``[model.lora]`` the model carries peft adapters before the warm start, so both the
+    warm start and the learner train only them.
     """
-    g, r, mc = cfg.generation, cfg.run, cfg.model
+    r = cfg.run
     d = dist or Dist()
     # torchrun ranks: cuda:LOCAL_RANK (or the CPU); one process: [model].device.
-    device = d.device if d.enabled else resolve_device(mc.device)
-    # Float32 master weights; the model runs under autocast in [model].dtype (models/load.py).
-    model, tokenizer = load_model(
-        model_dir,
-        dtype=torch.float32,
-        attn_implementation=mc.attn_implementation,
-        trust_remote_code=mc.trust_remote_code,
-    )
+    device = d.device if d.enabled else resolve_device(cfg.model.device)
+    model, tokenizer = load_learner_model(cfg, model_dir)
     if r.sources and d.is_main:
-        from trainer.models.tokenizer import tokenizer_fingerprint
-        from trainer.run.sources import import_sources
-
-        for imp in import_sources(
-            store, r.sources, run_id=run_id, fingerprint=tokenizer_fingerprint(tokenizer)
-        ):
-            print(
-                f"replaying {imp['rollouts']} rollouts of run {imp['run_id']!r} from "
-                f"{imp['source']} (its version {imp['parent_version']} -> this run's -1)"
-            )
+        _import_sources(store, r.sources, run_id, tokenizer)
     ckpt = None
     if resume:  # the newest undamaged checkpoint (damaged newer ones: one warning line each)
         ckpt = newest_good_checkpoint(run_dir, warn=None if d.is_main else lambda _line: None)
@@ -151,23 +140,7 @@ def setup_learner(
         warm_start(
             model, tokenizer, task, steps=r.warm_start_steps, lr=r.warm_start_lr, seed=r.seed
         )
-    optim = cfg.optim
-    if mc.gradient_checkpointing and not optim.grad_checkpointing:
-        optim = replace(optim, grad_checkpointing=True)
-    loss = cfg.loss
-    if loss.agg == "seq-mean-token-sum-norm" and loss.agg_norm_len is None:
-        loss = replace(loss, agg_norm_len=g.max_tokens)  # Dr. GRPO: the generation budget
-    learner = Learner(
-        model,
-        loss,
-        optim,
-        temperature=g.temperature,
-        top_k=g.top_k or None,
-        top_p=g.top_p if g.top_p < 1 else None,
-        compute_entropy=True,
-        device=device,
-        compute_dtype=resolve_dtype(mc.dtype, device),
-    )
+    learner = build_learner(cfg, model, device)
     loader = ReplayDataset(
         store,
         cfg.replay,
@@ -190,6 +163,55 @@ def setup_learner(
     if not r.fsdp:
         wrap_learner(learner, d)
     return learner, loader, state
+
+
+def load_learner_model(cfg: TrainConfig, model_dir: Path) -> tuple[Any, Any]:
+    """(model, tokenizer) of ``model_dir`` in float32 master weights (the model runs under
+    autocast in [model].dtype, models/load.py), with ``[model.lora]`` adapters when set."""
+    mc = cfg.model
+    model, tokenizer = load_model(
+        model_dir,
+        dtype=torch.float32,
+        attn_implementation=mc.attn_implementation,
+        trust_remote_code=mc.trust_remote_code,
+    )
+    if mc.lora is not None:
+        model = apply_lora(model, mc.lora, seed=cfg.run.seed)
+    return model, tokenizer
+
+
+def _import_sources(store: RolloutStore, sources, run_id: str, tokenizer) -> None:
+    from trainer.models.tokenizer import tokenizer_fingerprint
+    from trainer.run.sources import import_sources
+
+    fingerprint = tokenizer_fingerprint(tokenizer)
+    for imp in import_sources(store, sources, run_id=run_id, fingerprint=fingerprint):
+        print(
+            f"replaying {imp['rollouts']} rollouts of run {imp['run_id']!r} from "
+            f"{imp['source']} (its version {imp['parent_version']} -> this run's -1)"
+        )
+
+
+def build_learner(cfg: TrainConfig, model, device: torch.device) -> Learner:
+    """The learner over ``model`` with the run's loss, optimizer and sampling settings."""
+    g, mc = cfg.generation, cfg.model
+    optim = cfg.optim
+    if mc.gradient_checkpointing and not optim.grad_checkpointing:
+        optim = replace(optim, grad_checkpointing=True)
+    loss = cfg.loss
+    if loss.agg == "seq-mean-token-sum-norm" and loss.agg_norm_len is None:
+        loss = replace(loss, agg_norm_len=g.max_tokens)  # Dr. GRPO: the generation budget
+    return Learner(
+        model,
+        loss,
+        optim,
+        temperature=g.temperature,
+        top_k=g.top_k or None,
+        top_p=g.top_p if g.top_p < 1 else None,
+        compute_entropy=True,
+        device=device,
+        compute_dtype=resolve_dtype(mc.dtype, device),
+    )
 
 
 def run_meta(run_dir: Path, cfg: TrainConfig, resume: bool) -> dict[str, Any]:

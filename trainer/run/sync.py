@@ -158,7 +158,7 @@ class SyncLoop:
             backend = resolve_backend(cfg.generation.backend)
             self.policy = LivePolicy(
                 backend, cfg.generation, self.task, self.model_dir, run_dir / "weights",
-                self.run_id, seed=r.seed,
+                self.run_id, seed=r.seed, trust_remote_code=cfg.model.trust_remote_code,
             )  # fmt: skip
             self.metrics = Metrics(run_dir)
         self.last_eval = self.first_eval
