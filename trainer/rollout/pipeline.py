@@ -40,6 +40,7 @@ import numpy as np
 from rolloutstore.ids import deterministic_uuid7
 from trainer.algo.advantage import group_advantages
 from trainer.rollout.embed import HashingEmbedder
+from trainer.rollout.multiturn import generate_for_task
 from trainer.rollout.sampling import SamplingParams, _not_int
 from trainer.tasks import Prompt, Task, get_task
 from trainer.tasks.chat import render_prompts
@@ -165,6 +166,8 @@ def generate_rollouts(
     id_time_ms: int = 0,
     on_append: Any | None = None,
     advantage_ddof: int = 0,
+    max_turns: int = 1,
+    max_total_tokens: int = 0,
 ) -> GenerateSummary:
     """Generate ``prompts x group_size`` scored rollouts into ``store``; see the module docstring.
 
@@ -182,7 +185,8 @@ def generate_rollouts(
     tokenizer; trainer/tasks/chat.py), and the rendered text is what the store records.
     Batch ``b`` of ``batch_prompts`` prompts is sampled with seed ``seed + b``. ``embedder``
     defaults to ``HashingEmbedder(dim=store.embedding_dim)``; it must map a list of token-id
-    lists to a ``(N, store.embedding_dim)`` array.
+    lists to a ``(N, store.embedding_dim)`` array. A task with tools (``[task].tools``) gets
+    multi-turn rows, ``max_turns`` / ``max_total_tokens`` (trainer/rollout/multiturn.py).
     """
     from tqdm.auto import tqdm
 
@@ -237,9 +241,10 @@ def generate_rollouts(
                     writer.count(_stored_rows(store, [ids.rollout(k) for k in range(n)]))
                     bar.update(n)
                     continue
-                rows = gen.generate(
-                    [p.prompt_text for p in batch], **replace(sampling, seed=seed + b).kwargs()
-                )
+                rows = generate_for_task(
+                    gen, task_obj, [p.prompt_text for p in batch], max_turns=max_turns,
+                    max_total_tokens=max_total_tokens, **replace(sampling, seed=seed + b).kwargs(),
+                )  # fmt: skip
                 if len(rows) != len(batch) * group_size:
                     raise RuntimeError(
                         f"generator returned {len(rows)} rows for {len(batch)} prompts x "
