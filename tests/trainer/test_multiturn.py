@@ -260,6 +260,55 @@ def test_generate_for_task_keeps_single_turn_tasks_single_turn(hf, prompts) -> N
         generate_for_task(hf, plain, prompts, group_size=1, max_turns=2)
 
 
+def test_learner_step_on_multiturn_rows_with_the_contract_mask(hf, prompts, tool_model) -> None:
+    """The learner at staleness 0 on trajectories whose tool tokens lie outside the sampler's
+    support (top_k=2: their processed log-prob is -inf): with the contract's loader mask (the
+    target-grid mask times the row's loss_mask, applied here by hand until the loader does it)
+    the step is finite and its log-probs equal the behaviour ones on the model's tokens."""
+    import math
+
+    import numpy as np
+    import pyarrow as pa
+
+    from rolloutstore.replay.loader import collate
+    from rolloutstore.replay.selector import Selection
+    from trainer.algo.learner import Learner
+    from trainer.algo.loss import LossConfig
+    from trainer.algo.optim import OptimConfig
+
+    rows = _multiturn(hf, prompts, top_k=2)
+    with torch.no_grad():
+        outside = sum(
+            int(torch.isinf(teacher_forced_logprobs(
+                hf.model, r["prompt_ids"], r["completion_ids"], 1.0, 1.0, 2
+            )).sum())
+            for r in rows
+        )  # fmt: skip
+    assert outside > 0, "some tool tokens are outside the top-2 support"
+    n = len(rows)
+    keys = ("prompt_ids", "completion_ids", "behavior_logprobs", "temperature", "top_p", "top_k")
+    table = pa.table({k: [r[k] for r in rows] for k in (*keys, "logprobs_mode")})
+    sel = Selection(
+        row_addresses=np.arange(n, dtype=np.uint64), rollout_ids=[str(i) for i in range(n)],
+        weights=np.ones(n, np.float32), staleness=np.zeros(n, np.int64),
+        policy_version=np.zeros(n, np.int64), prompt_ids=[""] * n, run_ids=["r"] * n,
+        rewards=np.zeros(n, np.float32), advantages=np.linspace(-1, 1, n).astype(np.float32),
+    )  # fmt: skip
+    batch = collate(table, sel, np.arange(n), pack=False)
+    grid = torch.zeros_like(batch["loss_mask"])
+    for i, r in enumerate(rows):
+        start = len(r["prompt_ids"]) - 1
+        grid[i, start : start + len(r["loss_mask"])] = torch.tensor(r["loss_mask"])
+    batch["loss_mask"] = batch["loss_mask"] * grid
+    batch["num_loss_tokens"] = int(batch["loss_mask"].sum())
+    model, _ = load_model(tool_model)
+    learner = Learner(model, LossConfig(loss_type="ppo"), OptimConfig(lr=1e-4), top_k=2)
+    m = learner.step(batch)
+    assert all(math.isfinite(v) for v in m.values() if isinstance(v, float))
+    assert m["ratio_max_dev"] < 1e-4
+    assert all(torch.isfinite(w).all() for w in model.parameters())
+
+
 # -- configuration --------------------------------------------------------------------------
 
 
