@@ -134,7 +134,7 @@ def test_calculator_answers_in_text_and_never_raises() -> None:
         assert calc.run(bad) == "error"
     env = ToolEnv(["calculator"])
     assert env.stop_strings == ["</calc>"]
-    assert env.respond(" <calc>12+30</calc>").text == "<result>42</result>"
+    assert env.respond(" <calc>12+30</calc>").text == "<result>=42</result>"
     assert env.respond(" 12+30</calc>").text == "<result>error</result>"  # no opening tag
     assert env.respond(" <calc>12+30") is None
 
@@ -143,8 +143,8 @@ def test_reward_scores_the_models_own_answer_only() -> None:
     task = tool_task()
     p = task.make_prompts(1, seed=0)[0]
     answer, expr = p.answer, p.meta["expression"]
-    call = f" <calc>{expr}</calc><result>{answer}</result>"
-    assert task.reward(p, call + f" {answer}").reward == 1.0  # copying the result counts
+    call = f" <calc>{expr}</calc><result>={answer}</result>"
+    assert task.reward(p, call + f" ={answer}").reward == 1.0  # copying the result counts
     assert task.reward(p, call + f" <answer>{answer}</answer>").reward == 1.0
     assert task.reward(p, call).reward == 0.0  # the tool's result alone is no answer
     assert task.reward(p, call + " 1").reward == 0.0
@@ -154,9 +154,14 @@ def test_reward_scores_the_models_own_answer_only() -> None:
     # Countdown: the model may check its expression with the tool, then answer.
     cd = ToolTask(get_task("countdown"), ["calculator"])
     q = cd.make_prompts(1, seed=3)[0]
-    text = f" <calc>{q.answer}</calc><result>{q.meta['target']}</result> {q.answer}"
-    assert cd.reward(q, text).reward == 1.0
-    assert cd.reward(q, f" <calc>{q.answer}</calc><result>{q.meta['target']}</result>").reward == 0
+    call = f" <calc>{q.answer}</calc><result>={q.meta['target']}</result>"
+    assert cd.reward(q, f"{call} {q.answer}").reward == 1.0
+    assert cd.reward(q, call).reward == 0.0
+    assert cd.demonstration(q) == [
+        (f" <calc>{q.answer}</calc>", True),
+        (f"<result>={q.meta['target']}</result>", False),
+        (f" {q.answer}", True),
+    ]
 
 
 def test_demonstrations_mark_tool_output_unlearned() -> None:
@@ -164,8 +169,8 @@ def test_demonstrations_mark_tool_output_unlearned() -> None:
     segments = tool_task().demonstration(p)
     assert segments == [
         (f" <calc>{p.meta['expression']}</calc>", True),
-        (f"<result>{p.answer}</result>", False),
-        (f" {p.answer}", True),
+        (f"<result>={p.answer}</result>", False),
+        (f" ={p.answer}", True),
     ]
     none = ToolTask(get_task("arith", **TASK_OPTIONS), ["calculator"], demo_tool_fraction=0.0)
     assert none.demonstration(p) == [(f" {p.answer}", True)]
@@ -245,9 +250,16 @@ def test_limits_are_honoured(hf, prompts) -> None:
     check_contract(hf, short, max_turns=3, max_total=24)
     assert all(len(r["turns"]) == 1 for r in short)
     assert {r["finish_reason"] for r in short} <= {"stop", "length"}
-    mid = _multiturn(hf, prompts, max_total_tokens=44)
-    check_contract(hf, mid, max_turns=3, max_total=44)
-    assert any(len(r["completion_ids"]) == 44 and r["finish_reason"] == "length" for r in mid)
+    # Room for a first turn (24) but not for a result after it: the first turns are those of
+    # the uncapped run (same seed, same batch), and every call ends the trajectory at "length".
+    base, capped = _multiturn(hf, prompts), _multiturn(hf, prompts, max_total_tokens=30)
+    check_contract(hf, capped, max_turns=3, max_total=30)
+    for b, c in zip(base, capped):
+        first = b["turns"][0]["end"]
+        assert c["completion_ids"] == b["completion_ids"][:first]
+        if len(b["turns"]) > 1:
+            assert c["finish_reason"] == "length"
+    assert any(len(b["turns"]) > 1 for b in base)
 
 
 def test_generate_for_task_keeps_single_turn_tasks_single_turn(hf, prompts) -> None:

@@ -90,6 +90,11 @@ def generate_multiturn(
         raise ValueError(f"max_turns must be an int >= 1, got {max_turns!r}")
     if _not_int(max_total_tokens) or max_total_tokens < 0:
         raise ValueError(f"max_total_tokens must be an int >= 0, got {max_total_tokens!r}")
+    if not callable(getattr(gen, "sample", None)):
+        raise TypeError(
+            f"{type(gen).__name__} has no sample(contexts, ..., stop=...): multi-turn rollouts "
+            "need HFGenerator or VLLMGenerator"
+        )
     if not prompts:
         return []
     tok = gen.tokenizer

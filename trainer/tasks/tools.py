@@ -4,13 +4,17 @@ The syntax is plain text a tiny byte-level model can learn. The model writes a c
 generation stops at the closing tag; the environment answers with a result block (loss-mask 0
 tokens, see trainer/rollout/multiturn.py) and the model continues::
 
-    Compute 347+589. Answer: <calc>347+589</calc><result>936</result> 936<|endoftext|>
-                             ^ model turn 1       ^ tool turn          ^ model turn 2
+    Compute 347+589. Answer: <calc>347+589</calc><result>=936</result> =936<|endoftext|>
+                             ^ model turn 1       ^ tool turn           ^ model turn 2
 
 The calculator evaluates with :func:`trainer.tasks.parsing.safe_eval` (integer literals and
 ``+ - * /`` only, exact rationals; nothing is executed): an integral value is written as an
-integer, another as ``p/q``, and anything it cannot evaluate as ``<result>error</result>``;
-it never raises.
+integer, another as ``p/q``, both after ``=``, and anything it cannot evaluate as
+``<result>error</result>``; it never raises. The ``=`` is there for small models: a value
+whose length varies (936, 1525) is copied by looking up the token after a marker seen once
+before (an induction head), and a 2-layer model learns that copy from warm-start
+demonstrations that restate the result as ``=936``; without the marker the copy depends on
+the value's length and the same model does not learn it (docs/results.md).
 
 :class:`ToolTask` wraps a task (``[task] tools = ["calculator"]``): same prompts, and a reward
 that scores the model's own text only. Call blocks and result blocks are cut out of the
@@ -121,7 +125,8 @@ class ToolEnv:
         opened = turn_text.rfind(tool.open_tag, 0, at)
         args = None if opened < 0 else turn_text[opened + len(tool.open_tag) : at]
         result = ERROR_TEXT if args is None else tool.run(args)
-        return ToolOutput(tool.name, f"{RESULT_OPEN}{result}{RESULT_CLOSE}")
+        value = result if result == ERROR_TEXT else "=" + result
+        return ToolOutput(tool.name, f"{RESULT_OPEN}{value}{RESULT_CLOSE}")
 
     def model_text(self, trajectory_text: str) -> str:
         """``trajectory_text`` with every call and result block replaced by a line break: what
@@ -164,18 +169,23 @@ class ToolTask(Task):
 
     def demonstration(self, prompt: Prompt) -> list[tuple[str, bool]]:
         """A solution as ``(text, model_written)`` segments for the warm start: a direct
-        answer, or (for ``demo_tool_fraction`` of the prompts that carry an expression) a
-        calculator call, its result (not model-written) and the answer."""
+        answer, or (for ``demo_tool_fraction`` of the prompts that carry one) a calculator
+        call, its result (not model-written) and the answer. arith's call is the prompt's
+        expression and the answer restates the result (`` =936``); countdown's call checks
+        the solution expression, which is then the answer."""
         direct = [(" " + prompt.answer, True)]
-        expression = prompt.meta.get("expression") or (
-            prompt.answer if "target" in prompt.meta else None
-        )
-        if not expression or not self._uses_tool(prompt):
+        if not self._uses_tool(prompt):
             return direct
         tool = self.env.tools[0]
+        if "expression" in prompt.meta:
+            expression, answer = str(prompt.meta["expression"]), " =" + prompt.answer
+        elif "target" in prompt.meta:
+            expression, answer = prompt.answer, " " + prompt.answer
+        else:
+            return direct
         result = self.env.respond(tool.call(expression))
         assert result is not None  # a well-formed call always gets an answer
-        return [(" " + tool.call(expression), True), (result.text, False), *direct]
+        return [(" " + tool.call(expression), True), (result.text, False), (answer, True)]
 
     def _uses_tool(self, prompt: Prompt) -> bool:
         h = hashlib.blake2b(prompt.prompt_text.encode(), digest_size=8).digest()
