@@ -35,6 +35,7 @@ from trainer.models.lora import LoraSettings
 from trainer.rollout.sampling import GenerationConfig
 from trainer.tasks import Task, get_task
 from trainer.tasks.chat import check_chat_mode
+from trainer.tasks.tools import check_tool_names, with_tools
 
 Mode = Literal["sync", "async"]
 
@@ -116,14 +117,42 @@ class TaskConfig:
         "auto",
     )
 
+    # Multi-turn tool use (trainer/tasks/tools.py; [generation].max_turns, max_total_tokens).
+    tools: tuple[str, ...] = _h(
+        'tools the model may call between turns, e.g. ["calculator"] (multi-turn rollouts)', ()
+    )
+    tool_demos: float = _h(
+        "with tools: share of warm-start demonstrations that call a tool (the rest answer)", 1.0
+    )
+
     def __post_init__(self) -> None:
         if self.eval_prompts < 0:
             raise ValueError(f"eval_prompts must be >= 0, got {self.eval_prompts}")
         check_chat_mode(self.chat_template)
+        object.__setattr__(self, "tools", check_tool_names(self.tools))
+        d = self.tool_demos
+        if isinstance(d, bool) or not isinstance(d, int | float) or not 0 <= d <= 1:
+            raise ConfigError(f"[task].tool_demos must be a number in [0, 1], got {d!r}")
 
     def build(self) -> Task:
-        """The configured task (its options and chat-template mode)."""
-        return get_task(self.name, chat_template=self.chat_template, **self.options)
+        """The configured task (its options, chat-template mode and tools)."""
+        task = get_task(self.name, chat_template=self.chat_template, **self.options)
+        return with_tools(task, self.tools, demo_tool_fraction=float(self.tool_demos))
+
+
+def _check_turns(task: TaskConfig, generation: GenerationConfig) -> None:
+    """Tools and turns go together: a tool result needs a model turn after it, and more than
+    one turn needs something to answer between turns."""
+    if task.tools and generation.max_turns < 2:
+        raise ConfigError(
+            f"[generation].max_turns = {generation.max_turns} with [task].tools leaves no turn "
+            "after a tool result: set it >= 2"
+        )
+    if not task.tools and generation.max_turns > 1:
+        raise ConfigError(
+            f"[generation].max_turns = {generation.max_turns} needs [task].tools (nothing "
+            "answers the model between turns): add a tool or set it to 1"
+        )
 
 
 @dataclass(frozen=True)
@@ -267,6 +296,7 @@ class TrainConfig:
                 "[model.lora] with [run].fsdp = true is not supported (the adapters are small: "
                 "train them with DDP replicas); set [run].fsdp = false or remove [model.lora]"
             )
+        _check_turns(self.task, self.generation)
         if self.control.enabled and self.run.mode != "sync":
             raise ConfigError(
                 "[replay.control].enabled: the replay-ratio controller drives the sync loop "

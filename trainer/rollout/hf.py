@@ -27,7 +27,14 @@ from typing import Any
 import torch
 
 from trainer.algo.logprobs import top_p_keep
-from trainer.rollout.sampling import check_generate_args, check_processing
+from trainer.rollout.sampling import (
+    Sampled,
+    _not_int,
+    check_generate_args,
+    check_processing,
+    check_stop,
+    stop_position,
+)
 from trainer.tasks.chat import encode_prompt
 
 LOGPROBS_MODE = "processed_logprobs"
@@ -232,15 +239,9 @@ class HFGenerator:
         if any(len(ids) == 0 for ids in prompt_ids):
             raise ValueError("every prompt must tokenize to at least one token")
         rows = [(i, j) for i in range(len(prompts)) for j in range(group_size)]
-        chunk = self.max_batch_size or len(rows)
 
-        sampled: list[tuple[list[int], list[float]]] = []
-        fork_devices = [self.device] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=fork_devices):
-            torch.manual_seed(seed)
-            for start in range(0, len(rows), chunk):
-                batch = [prompt_ids[i] for i, _ in rows[start : start + chunk]]
-                sampled.extend(self._generate_batch(batch, temperature, top_p, top_k, max_tokens))
+        contexts = [prompt_ids[i] for i, _ in rows]
+        sampled = self._sample_seeded(contexts, temperature, top_p, top_k, max_tokens, seed, [])
 
         group_ids = [uuid.uuid4().hex for _ in prompts]
         out = []
@@ -272,6 +273,71 @@ class HFGenerator:
             )
         return out
 
+    @torch.no_grad()
+    def sample(
+        self,
+        contexts: list[list[int]],
+        *,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        max_tokens: int = 64,
+        seed: int = 0,
+        stop: list[str] | tuple[str, ...] = (),
+    ) -> list[Sampled]:
+        """Continue each token-id context once (a multi-turn rollout's next model turn).
+
+        Sampling and log-probs are those of :meth:`generate`; a continuation also ends with the
+        token that completes one of ``stop`` (:func:`trainer.rollout.sampling.stop_position`).
+        """
+        check_processing(temperature, top_p, top_k)
+        stop = check_stop(stop)
+        if _not_int(max_tokens) or max_tokens < 1:
+            raise ValueError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
+        if _not_int(seed) or seed < 0:
+            raise ValueError(f"seed must be an int >= 0, got {seed!r}")
+        if any(len(c) == 0 for c in contexts):
+            raise ValueError("every context must hold at least one token")
+        if not contexts:
+            return []
+        sampled = self._sample_seeded(contexts, temperature, top_p, top_k, max_tokens, seed, stop)
+        out = []
+        for ids, lps in sampled:
+            if ids and ids[-1] in self.eos_token_ids:
+                reason = "stop"
+            elif stop and stop_position(self._decode, ids, stop) == len(ids):
+                reason = "stop_string"
+            else:
+                reason = "length"
+            out.append(Sampled(ids, lps, reason))
+        return out
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _sample_seeded(
+        self,
+        contexts: list[list[int]],
+        temperature: float,
+        top_p: float,
+        top_k: int,
+        max_tokens: int,
+        seed: int,
+        stop: list[str],
+    ) -> list[tuple[list[int], list[float]]]:
+        """Chunks of ``max_batch_size`` contexts, sampled from one RNG stream seeded ``seed``."""
+        chunk = self.max_batch_size or len(contexts)
+        sampled: list[tuple[list[int], list[float]]] = []
+        fork_devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=fork_devices):
+            torch.manual_seed(seed)
+            for start in range(0, len(contexts), chunk):
+                batch = contexts[start : start + chunk]
+                sampled.extend(
+                    self._generate_batch(batch, temperature, top_p, top_k, max_tokens, stop)
+                )
+        return sampled
+
     def _generate_batch(
         self,
         batch: list[list[int]],
@@ -279,6 +345,7 @@ class HFGenerator:
         top_p: float,
         top_k: int,
         max_tokens: int,
+        stop: list[str] | None = None,
     ) -> list[tuple[list[int], list[float]]]:
         width = max(len(ids) for ids in batch)
         input_ids = torch.full((len(batch), width), self.pad_token_id, dtype=torch.long)
@@ -287,6 +354,8 @@ class HFGenerator:
             # Left padding keeps every row's last prompt token at the same (final) position.
             input_ids[r, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
             attention_mask[r, width - len(ids) :] = 1
+        # Stop strings end a row's turn early (multi-turn); without them nothing changes.
+        extra = {"stopping_criteria": _stop_criteria(self, stop, width)} if stop else {}
         result = self.model.generate(
             input_ids=input_ids.to(self.device),
             attention_mask=attention_mask.to(self.device),
@@ -297,6 +366,7 @@ class HFGenerator:
             max_new_tokens=max_tokens,
             output_scores=True,
             return_dict_in_generate=True,
+            **extra,
         )
         generated = result.sequences[:, width:].cpu()
         # One (batch,) vector per step: the sampled token's log-prob under softmax(scores).
@@ -317,5 +387,20 @@ class HFGenerator:
             hits = torch.isin(tokens, eos).nonzero()
             # Everything after the first EOS is padding generate() filled in for a finished row.
             n = int(hits[0, 0]) + 1 if hits.numel() else tokens.numel()
+            if stop:  # ... or after the token that completed a stop string, if that came first
+                n = stop_position(self._decode, tokens[:n].tolist(), stop) or n
             out.append((tokens[:n].tolist(), step_logprobs[r, :n].tolist()))
         return out
+
+
+def _stop_criteria(gen: HFGenerator, stop: list[str], width: int) -> Any:
+    """A transformers stopping criterion: a row is done once its text since position ``width``
+    contains one of ``stop`` (rows stopped earlier stay done; the batch ends when all are)."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class _StopStrings(StoppingCriteria):
+        def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
+            done = [any(s in gen._decode(row[width:].tolist()) for s in stop) for row in input_ids]
+            return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
+
+    return StoppingCriteriaList([_StopStrings()])

@@ -40,6 +40,7 @@ import numpy as np
 from rolloutstore.ids import deterministic_uuid7
 from trainer.algo.advantage import group_advantages
 from trainer.rollout.embed import HashingEmbedder
+from trainer.rollout.multiturn import generate_for_task
 from trainer.rollout.sampling import SamplingParams, _not_int
 from trainer.tasks import Prompt, Task, get_task
 from trainer.tasks.chat import render_prompts
@@ -165,6 +166,8 @@ def generate_rollouts(
     id_time_ms: int = 0,
     on_append: Any | None = None,
     advantage_ddof: int = 0,
+    max_turns: int = 1,
+    max_total_tokens: int = 0,
 ) -> GenerateSummary:
     """Generate ``prompts x group_size`` scored rollouts into ``store``; see the module docstring.
 
@@ -182,7 +185,8 @@ def generate_rollouts(
     tokenizer; trainer/tasks/chat.py), and the rendered text is what the store records.
     Batch ``b`` of ``batch_prompts`` prompts is sampled with seed ``seed + b``. ``embedder``
     defaults to ``HashingEmbedder(dim=store.embedding_dim)``; it must map a list of token-id
-    lists to a ``(N, store.embedding_dim)`` array.
+    lists to a ``(N, store.embedding_dim)`` array. A task with tools (``[task].tools``) gets
+    multi-turn rows, ``max_turns`` / ``max_total_tokens`` (trainer/rollout/multiturn.py).
     """
     from tqdm.auto import tqdm
 
@@ -209,7 +213,10 @@ def generate_rollouts(
                 ids = _BatchIds(id_namespace, b, id_time_ms) if id_namespace is not None else None
                 if _already_stored(store, ids, len(batch) * group_size, writer, bar):
                     continue
-                rows = _sample_batch(gen, batch, replace(sampling, seed=seed + b))
+                rows = _sample_batch(
+                    gen, task_obj, batch, replace(sampling, seed=seed + b), max_turns,
+                    max_total_tokens,
+                )  # fmt: skip
                 _finish_rows(
                     rows, batch, task_obj, embedder, store.embedding_dim, run_id, advantage_ddof
                 )
@@ -285,10 +292,19 @@ def _already_stored(store: Any, ids: _BatchIds | None, n: int, writer: _Writer, 
 
 
 def _sample_batch(
-    gen: Any, batch: Sequence[Prompt], sampling: SamplingParams
+    gen: Any,
+    task: Task,
+    batch: Sequence[Prompt],
+    sampling: SamplingParams,
+    max_turns: int,
+    max_total_tokens: int,
 ) -> list[dict[str, Any]]:
-    """``group_size`` sampled completions per prompt of ``batch``, prompt-major."""
-    rows = gen.generate([p.prompt_text for p in batch], **sampling.kwargs())
+    """``group_size`` sampled trajectories per prompt of ``batch``, prompt-major (one model
+    turn, or several with the task's tools: trainer/rollout/multiturn.py)."""
+    rows = generate_for_task(
+        gen, task, [p.prompt_text for p in batch], max_turns=max_turns,
+        max_total_tokens=max_total_tokens, **sampling.kwargs(),
+    )  # fmt: skip
     if len(rows) != len(batch) * sampling.group_size:
         raise RuntimeError(
             f"generator returned {len(rows)} rows for {len(batch)} prompts x "

@@ -8,6 +8,7 @@ generate`` and the generators' ``generate(...)`` keyword arguments all go throug
 from __future__ import annotations
 
 import typing
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
@@ -71,6 +72,46 @@ def check_generate_args(prompts: Any, **sampling: Any) -> SamplingParams:
 
 
 @dataclass(frozen=True)
+class Sampled:
+    """One continuation of a token-id context (a generator's ``sample``): its tokens, their
+    behaviour log-probs, and why it ended: ``stop`` (EOS), ``stop_string`` (the turn text
+    contains one of the stop strings; the token that completed it is the last one) or
+    ``length`` (the ``max_tokens`` budget)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: Literal["stop", "stop_string", "length"]
+
+
+def stop_position(
+    decode: Callable[[list[int]], str], token_ids: list[int], stop: Sequence[str]
+) -> int | None:
+    """The smallest ``n`` such that ``decode(token_ids[:n])`` contains one of ``stop``, or None.
+
+    The one stop-string rule of both generators (vLLM's: a turn ends with the token that
+    completes a stop string, also when that token runs past it). Containment grows with the
+    prefix, so a binary search needs O(log n) decodes.
+    """
+    if not stop or not any(s in decode(token_ids) for s in stop):
+        return None
+    lo, hi = 1, len(token_ids)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if any(s in decode(token_ids[:mid]) for s in stop):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def check_stop(stop: Any) -> list[str]:
+    """Stop strings as a list of non-empty str (ValueError otherwise)."""
+    if isinstance(stop, str) or not all(isinstance(s, str) and s for s in stop):
+        raise ValueError(f"stop must be a list of non-empty str, got {stop!r}")
+    return list(stop)
+
+
+@dataclass(frozen=True)
 class GenerationConfig:
     backend: Backend = _h("hf (transformers), vllm, or auto (vllm when installed)", "hf")
     group_size: int = _h("samples per prompt (GRPO group)", 8)
@@ -104,6 +145,15 @@ class GenerationConfig:
         "auto",
     )
     enforce_eager: bool = _h("vLLM: no CUDA graphs (faster start, slower decoding)", False)
+    # Multi-turn rollouts ([task].tools; trainer/rollout/multiturn.py).
+    max_turns: int = _h(
+        "model turns per trajectory (> 1 needs [task].tools; max_tokens is each turn's budget)", 1
+    )
+    max_total_tokens: int = _h(
+        "multi-turn: completion tokens per trajectory, model and tool tokens together (0: no "
+        "cap beyond max_turns x max_tokens plus the tool outputs)",
+        0,
+    )
 
     def __post_init__(self) -> None:
         if self.backend not in typing.get_args(Backend):
@@ -117,6 +167,22 @@ class GenerationConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         self._check_engine()
+        self._check_turns()
+
+    def _check_turns(self) -> None:
+        if _not_int(self.max_turns) or self.max_turns < 1:
+            raise ConfigError(f"[generation].max_turns must be an int >= 1, got {self.max_turns!r}")
+        t = self.max_total_tokens
+        if _not_int(t) or t < 0 or 0 < t < self.max_tokens:
+            raise ConfigError(
+                f"[generation].max_total_tokens must be 0 (no cap) or an int >= max_tokens "
+                f"({self.max_tokens}), got {t!r}"
+            )
+        if 0 < self.max_model_len <= t:
+            raise ConfigError(
+                f"[generation].max_model_len = {self.max_model_len} leaves no room for a prompt "
+                f"beside max_total_tokens = {t}: raise it (or 0: from the model)"
+            )
 
     def _check_engine(self) -> None:
         def bad(key: str, want: str) -> ConfigError:

@@ -40,7 +40,14 @@ from typing import Any
 import torch
 
 from trainer.rollout.hf import LOGPROBS_MODE
-from trainer.rollout.sampling import check_generate_args
+from trainer.rollout.sampling import (
+    Sampled,
+    _not_int,
+    check_generate_args,
+    check_processing,
+    check_stop,
+    stop_position,
+)
 from trainer.rollout.vllm_update import (
     EXTENSION,
     WeightUpdateError,
@@ -478,6 +485,86 @@ class VLLMGenerator:
                     }
                 )
         return rows
+
+    def sample(
+        self,
+        contexts: list[list[int]],
+        *,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        max_tokens: int = 64,
+        seed: int = 0,
+        stop: list[str] | tuple[str, ...] = (),
+    ) -> list[Sampled]:
+        """Continue each token-id context once (a multi-turn rollout's next model turn).
+
+        Context ``i`` is one request seeded :func:`prompt_seed` ``(seed, i)``; log-probs are
+        those of :meth:`generate`. ``stop`` strings end a continuation with the token that
+        completes one (vLLM's ``stop``; the cut is checked with the HF tokenizer's decode,
+        :func:`trainer.rollout.sampling.stop_position`, the transformers generator's rule).
+        """
+        if self._llm is None:
+            raise RuntimeError("VLLMGenerator is closed")
+        if self._refusal is not None:
+            raise WeightUpdateError(self._refusal)
+        check_processing(temperature, top_p, top_k)
+        stop = check_stop(stop)
+        if _not_int(max_tokens) or max_tokens < 1:
+            raise ValueError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
+        if _not_int(seed) or seed < 0:
+            raise ValueError(f"seed must be an int >= 0, got {seed!r}")
+        for ids in contexts:
+            if not ids:
+                raise ValueError("every context must hold at least one token")
+            if len(ids) + max_tokens > self.max_model_len:
+                raise ValueError(
+                    f"context of {len(ids)} tokens + max_tokens {max_tokens} exceeds "
+                    f"max_model_len {self.max_model_len}"
+                )
+        if not contexts:
+            return []
+        from vllm import SamplingParams
+
+        params = [
+            SamplingParams(
+                n=1,
+                temperature=float(temperature),
+                top_p=float(top_p),
+                top_k=int(top_k),
+                max_tokens=max_tokens,
+                seed=prompt_seed(seed, i),
+                logprobs=0,
+                # Stop strings are matched on detokenized text.
+                detokenize=bool(stop),
+                stop=stop or None,
+                include_stop_str_in_output=True,
+            )
+            for i in range(len(contexts))
+        ]
+        outputs = self._llm.generate(
+            [{"prompt_token_ids": list(ids)} for ids in contexts], params, use_tqdm=False
+        )
+        out = []
+        for request in outputs:
+            (c,) = request.outputs
+            ids = [int(t) for t in c.token_ids]
+            logprobs = _sampled_logprobs(c, ids)
+            cut = stop_position(self._decode, ids, stop)
+            if cut is not None:
+                out.append(Sampled(ids[:cut], logprobs[:cut], "stop_string"))
+            elif isinstance(c.stop_reason, str):
+                raise RuntimeError(
+                    f"vLLM stopped on {c.stop_reason!r}, which the tokenizer's decode of the "
+                    f"continuation does not contain: {self._decode(ids)!r}"
+                )
+            else:
+                reason = "stop" if c.finish_reason == "stop" else "length"
+                out.append(Sampled(ids, logprobs, reason))
+        return out
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
 
 def _sampled_logprobs(completion: Any, token_ids: list[int]) -> list[float]:

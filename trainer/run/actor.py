@@ -225,6 +225,8 @@ def _generate_round(
         **g.sampling(seed=seed).kwargs(),
         batch_prompts=g.batch_prompts,
         advantage_ddof=g.advantage_ddof,
+        max_turns=g.max_turns,
+        max_total_tokens=g.max_total_tokens,
         run_id=run_id,
         policy_id=run_id,
         progress=False,

@@ -20,6 +20,7 @@ from trainer.config import TrainConfig, configured_location, storage_options_fro
 from trainer.errors import RunDirError
 from trainer.models.load import check_model_dir, load_model, resolve_device, resolve_dtype
 from trainer.models.lora import apply_lora
+from trainer.rollout.multiturn import generate_for_task
 from trainer.run.checkpoint import (
     latest_checkpoint,
     newest_good_checkpoint,
@@ -46,7 +47,9 @@ def warm_start(
 
     Prompt (chat-rendered as the generator sees it) and answer are tokenized separately and
     concatenated; only answer tokens (and EOS) carry loss. Only trainable parameters move (with
-    LoRA: the adapters).
+    LoRA: the adapters). A task with tools gives its own
+    demonstrations (``task.demonstration``, trainer/tasks/tools.py): each segment tokenized on
+    its own, as multi-turn generation does, and tool output carries no loss.
     """
     torch.manual_seed(seed)
     prompts = render_prompts(
@@ -61,9 +64,16 @@ def warm_start(
         seqs, labels = [], []
         for p in chunk:
             pi = tokenizer(p.prompt_text, add_special_tokens=False)["input_ids"]
-            ai = tokenizer(" " + p.answer, add_special_tokens=False)["input_ids"] + [eos]
-            seqs.append(pi + ai)
-            labels.append([-100] * len(pi) + ai)
+            demo = getattr(task, "demonstration", None)
+            parts = demo(p) if demo is not None else [(" " + p.answer, True)]
+            seq, lab = list(pi), [-100] * len(pi)
+            for k, (text, learned) in enumerate(parts):
+                seg = tokenizer(text, add_special_tokens=False)["input_ids"]
+                seg = seg + [eos] if k == len(parts) - 1 else seg
+                seq += seg
+                lab += seg if learned else [-100] * len(seg)
+            seqs.append(seq)
+            labels.append(lab)
         width = max(map(len, seqs))
         ids = torch.full((len(seqs), width), eos, dtype=torch.long)
         lab = torch.full((len(seqs), width), -100, dtype=torch.long)
@@ -93,7 +103,10 @@ def evaluate(generator, task, cfg: TrainConfig) -> float:
     )  # fmt: skip
     g = cfg.generation
     sampling = g.sampling(group_size=1, seed=cfg.run.seed + 99)
-    rows = generator.generate([p.prompt_text for p in prompts], **sampling.kwargs())
+    rows = generate_for_task(
+        generator, task, [p.prompt_text for p in prompts], max_turns=g.max_turns,
+        max_total_tokens=g.max_total_tokens, **sampling.kwargs(),
+    )  # fmt: skip
     return float(
         np.mean([task.reward(p, r["completion_text"]).reward for p, r in zip(prompts, rows)])
     )

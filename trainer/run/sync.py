@@ -354,6 +354,8 @@ def _generation_round(
         **g.sampling(seed=r.seed * 1_000_003 + rnd).kwargs(),
         batch_prompts=g.batch_prompts,
         advantage_ddof=g.advantage_ddof,
+        max_turns=g.max_turns,
+        max_total_tokens=g.max_total_tokens,
         run_id=run_id,
         policy_id=run_id,
         progress=False,
