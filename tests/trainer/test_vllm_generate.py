@@ -19,7 +19,8 @@ from helpers import require_vllm
 from trainer.models.tiny import make_tiny_model
 from trainer.models.tokenizer import tokenizer_fingerprint
 from trainer.rollout.hf import HFGenerator, max_logprob_gap, teacher_forced_logprobs
-from trainer.rollout.vllm import VLLMGenerator, _import_vllm, prompt_seed
+from trainer.rollout.vllm import VLLMGenerator
+from trainer.rollout.vllm_engine import _import_vllm, prompt_seed
 
 PROMPTS = ["Compute 1+2. Answer:", "Compute 37+45*2. Answer:", "Compute 9-4*7. Answer:"]
 # Float32 on both sides; ~1e-6 was measured (docs/platform.md), this leaves room for kernel differences.

