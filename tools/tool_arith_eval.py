@@ -120,7 +120,8 @@ def _call_figures(task, prompts, rows, called) -> tuple[float | None, float | No
         result = re.search(r"<result>(.*?)</result>", text)
         exact += bool(call and call.group(1) == p.meta.get("expression"))
         answer = last_int(task.env.model_text(text))
-        copied += bool(result and answer is not None and str(answer) == result.group(1))
+        value = result.group(1).removeprefix("=") if result else None
+        copied += bool(answer is not None and str(answer) == value)
     n = int(called.sum())
     return round(exact / n, 4), round(copied / n, 4)
 
