@@ -100,7 +100,9 @@ def check_contract(gen, rows: list[dict], *, max_turns: int, max_total: int) -> 
             assert t["role"] == "tool" and t["tool_name"] == "calculator"
             assert set(mask) == {0} and all(lp == 0.0 for lp in lps)
             prev = turns[k - 1]
-            call = tok.decode(r["completion_ids"][prev["start"] : prev["end"]])
+            call = tok.decode(
+                r["completion_ids"][prev["start"] : prev["end"]], skip_special_tokens=True
+            )
             reply = env.respond(call)
             assert (
                 reply is not None and ids == tok(reply.text, add_special_tokens=False)["input_ids"]
