@@ -122,13 +122,15 @@ def generate_multiturn(
             break
         outs = gen.sample(
             [t.prompt_ids + t.ids for t in active], temperature=temperature, top_p=top_p,
-            top_k=top_k, max_tokens=max(budgets), seed=turn_seed(seed, turn),
-            stop=env.stop_strings,
+            top_k=top_k, max_tokens=budgets, seed=turn_seed(seed, turn), stop=env.stop_strings,
         )  # fmt: skip
         for t, out, budget in zip(active, outs, budgets):
             ids, lps, reason = out.token_ids, out.logprobs, out.finish_reason
-            if len(ids) > budget:  # sampled for a longer budget than this trajectory has
-                ids, lps, reason = ids[:budget], lps[:budget], "length"
+            if not 1 <= len(ids) <= budget:
+                raise RuntimeError(
+                    f"{type(gen).__name__}.sample returned {len(ids)} tokens "
+                    f"for a budget of {budget}"
+                )
             t.add(ids, lps, "assistant", None)
             if reason != "stop_string":
                 t.finish = reason
