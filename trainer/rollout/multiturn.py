@@ -16,9 +16,11 @@ have ``sample(contexts, ..., stop=...)``) through a :class:`trainer.tasks.tools.
    ``max_model_len``; a tool output that does not fit is not appended) or ``max_turns`` (a
    tool call in the last allowed turn; it is not answered).
 
-Rows are the single-turn rows (same keys, ``max_tokens`` = each turn's budget) plus
-``loss_mask`` and ``turns`` as in the schema-v2 contract (docs/architecture.md). Same seed,
-same generator weights: same trajectories.
+Rows are the single-turn rows (same keys, ``max_tokens`` = each turn's budget) plus the
+schema-v2 columns ``loss_mask`` (one 0/1 per completion token; 1 = sampled by the policy) and
+``turns`` (``{role: "assistant"|"tool", start, end, tool_name}``, offsets into
+``completion_ids``, contiguous, covering it). Same seed, same generator weights: same
+trajectories.
 
     from trainer.rollout.multiturn import generate_multiturn
     rows = generate_multiturn(gen, ["Compute 347+589. Answer:"], env=ToolEnv(["calculator"]),
