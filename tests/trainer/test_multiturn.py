@@ -212,6 +212,34 @@ def test_hf_stop_strings_end_the_turn(hf, prompts) -> None:
         assert len(s.token_ids) == len(s.logprobs) <= SAMPLING["max_tokens"]
 
 
+def test_hf_sample_per_context_budgets_cut_a_prefix(hf, prompts) -> None:
+    contexts = [hf.tokenizer(p)["input_ids"] for p in prompts]
+    full = hf.sample(contexts, seed=6, **SAMPLING)
+    budgets = [1 + k % 5 for k in range(len(contexts))]
+    cut = hf.sample(contexts, seed=6, **{**SAMPLING, "max_tokens": budgets})
+    for f, c, b in zip(full, cut, budgets):
+        assert c.token_ids == f.token_ids[:b] and c.logprobs == f.logprobs[:b]
+        assert c.finish_reason == (f.finish_reason if len(f.token_ids) <= b else "length")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"stop": "</calc>"}, "stop must be a list"),
+        ({"stop": [""]}, "stop must be a list"),
+        ({"max_tokens": [4]}, "one such int per context"),
+        ({"max_tokens": 0}, "max_tokens must be"),
+        ({"seed": -1}, "seed must be"),
+        ({"temperature": 0.0}, "greedy"),
+    ],
+)
+def test_sample_validates_its_arguments(hf, kwargs, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        hf.sample([[1, 2], [3]], **kwargs)
+    with pytest.raises(ValueError, match="at least one token"):
+        hf.sample([[1], []])
+
+
 def test_hf_multiturn_rows_follow_the_contract(hf, prompts) -> None:
     rows = _multiturn(hf, prompts)
     assert len(rows) == len(prompts) * 3

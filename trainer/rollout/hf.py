@@ -29,10 +29,9 @@ import torch
 from trainer.algo.logprobs import top_p_keep
 from trainer.rollout.sampling import (
     Sampled,
-    _not_int,
     check_generate_args,
     check_processing,
-    check_stop,
+    check_sample_args,
     stop_position,
 )
 from trainer.tasks.chat import encode_prompt
@@ -281,7 +280,7 @@ class HFGenerator:
         temperature: float = 1.0,
         top_p: float = 1.0,
         top_k: int = 0,
-        max_tokens: int = 64,
+        max_tokens: int | list[int] = 64,
         seed: int = 0,
         stop: list[str] | tuple[str, ...] = (),
     ) -> list[Sampled]:
@@ -289,21 +288,19 @@ class HFGenerator:
 
         Sampling and log-probs are those of :meth:`generate`; a continuation also ends with the
         token that completes one of ``stop`` (:func:`trainer.rollout.sampling.stop_position`).
+        ``max_tokens``: one budget for all, or one per context (the batch samples up to the
+        largest; each continuation is cut at its own, a prefix of what it sampled).
         """
         check_processing(temperature, top_p, top_k)
-        stop = check_stop(stop)
-        if _not_int(max_tokens) or max_tokens < 1:
-            raise ValueError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
-        if _not_int(seed) or seed < 0:
-            raise ValueError(f"seed must be an int >= 0, got {seed!r}")
-        if any(len(c) == 0 for c in contexts):
-            raise ValueError("every context must hold at least one token")
+        budgets, stop = check_sample_args(contexts, max_tokens, seed, stop)
         if not contexts:
             return []
-        sampled = self._sample_seeded(contexts, temperature, top_p, top_k, max_tokens, seed, stop)
+        sampled = self._sample_seeded(contexts, temperature, top_p, top_k, max(budgets), seed, stop)
         out = []
-        for ids, lps in sampled:
-            if ids and ids[-1] in self.eos_token_ids:
+        for (ids, lps), budget in zip(sampled, budgets):
+            if len(ids) > budget:  # no EOS or stop string within its own budget
+                ids, lps, reason = ids[:budget], lps[:budget], "length"
+            elif ids and ids[-1] in self.eos_token_ids:
                 reason = "stop"
             elif stop and stop_position(self._decode, ids, stop) == len(ids):
                 reason = "stop_string"

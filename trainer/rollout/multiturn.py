@@ -16,9 +16,11 @@ have ``sample(contexts, ..., stop=...)``) through a :class:`trainer.tasks.tools.
    ``max_model_len``; a tool output that does not fit is not appended) or ``max_turns`` (a
    tool call in the last allowed turn; it is not answered).
 
-Rows are the single-turn rows (same keys, ``max_tokens`` = each turn's budget) plus
-``loss_mask`` and ``turns`` as in the schema-v2 contract (docs/architecture.md). Same seed,
-same generator weights: same trajectories.
+Rows are the single-turn rows (same keys, ``max_tokens`` = each turn's budget) plus the
+schema-v2 columns ``loss_mask`` (one 0/1 per completion token; 1 = sampled by the policy) and
+``turns`` (``{role: "assistant"|"tool", start, end, tool_name}``, offsets into
+``completion_ids``, contiguous, covering it). Same seed, same generator weights: same
+trajectories.
 
     from trainer.rollout.multiturn import generate_multiturn
     rows = generate_multiturn(gen, ["Compute 347+589. Answer:"], env=ToolEnv(["calculator"]),
@@ -82,19 +84,10 @@ def generate_multiturn(
     ``max_tokens`` bounds each model turn, ``max_total_tokens`` (0: no cap) the whole
     completion (model and tool tokens), ``max_turns`` the model turns.
     """
-    check_generate_args(
-        prompts, group_size=group_size, temperature=temperature, top_p=top_p, top_k=top_k,
-        max_tokens=max_tokens, seed=seed,
+    _check_args(
+        gen, prompts, group_size, temperature, top_p, top_k, max_tokens, seed, max_turns,
+        max_total_tokens,
     )  # fmt: skip
-    if _not_int(max_turns) or max_turns < 1:
-        raise ValueError(f"max_turns must be an int >= 1, got {max_turns!r}")
-    if _not_int(max_total_tokens) or max_total_tokens < 0:
-        raise ValueError(f"max_total_tokens must be an int >= 0, got {max_total_tokens!r}")
-    if not callable(getattr(gen, "sample", None)):
-        raise TypeError(
-            f"{type(gen).__name__} has no sample(contexts, ..., stop=...): multi-turn rollouts "
-            "need HFGenerator or VLLMGenerator"
-        )
     if not prompts:
         return []
     tok = gen.tokenizer
@@ -122,13 +115,15 @@ def generate_multiturn(
             break
         outs = gen.sample(
             [t.prompt_ids + t.ids for t in active], temperature=temperature, top_p=top_p,
-            top_k=top_k, max_tokens=max(budgets), seed=turn_seed(seed, turn),
-            stop=env.stop_strings,
+            top_k=top_k, max_tokens=budgets, seed=turn_seed(seed, turn), stop=env.stop_strings,
         )  # fmt: skip
         for t, out, budget in zip(active, outs, budgets):
             ids, lps, reason = out.token_ids, out.logprobs, out.finish_reason
-            if len(ids) > budget:  # sampled for a longer budget than this trajectory has
-                ids, lps, reason = ids[:budget], lps[:budget], "length"
+            if not 1 <= len(ids) <= budget:
+                raise RuntimeError(
+                    f"{type(gen).__name__}.sample returned {len(ids)} tokens "
+                    f"for a budget of {budget}"
+                )
             t.add(ids, lps, "assistant", None)
             if reason != "stop_string":
                 t.finish = reason
@@ -150,6 +145,26 @@ def generate_multiturn(
         if t.finish is None:  # unreachable: the last turn finishes every trajectory
             t.finish = "max_turns"
     return _rows(gen, prompts, prompt_ids, trajs, temperature, top_p, top_k, max_tokens, seed)
+
+
+def _check_args(
+    gen: Any, prompts: list[str], group_size: int, temperature: float, top_p: float, top_k: int,
+    max_tokens: int, seed: int, max_turns: int, max_total_tokens: int,
+) -> None:  # fmt: skip
+    """Refuse bad arguments before any sampling (generate's checks plus the turn limits)."""
+    check_generate_args(
+        prompts, group_size=group_size, temperature=temperature, top_p=top_p, top_k=top_k,
+        max_tokens=max_tokens, seed=seed,
+    )  # fmt: skip
+    if _not_int(max_turns) or max_turns < 1:
+        raise ValueError(f"max_turns must be an int >= 1, got {max_turns!r}")
+    if _not_int(max_total_tokens) or max_total_tokens < 0:
+        raise ValueError(f"max_total_tokens must be an int >= 0, got {max_total_tokens!r}")
+    if not callable(getattr(gen, "sample", None)):
+        raise TypeError(
+            f"{type(gen).__name__} has no sample(contexts, ..., stop=...): multi-turn rollouts "
+            "need HFGenerator or VLLMGenerator"
+        )
 
 
 def _budget(t: _Trajectory, want: int, max_total: int, model_len: int | None) -> int:

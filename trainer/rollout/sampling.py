@@ -104,11 +104,23 @@ def stop_position(
     return lo
 
 
-def check_stop(stop: Any) -> list[str]:
-    """Stop strings as a list of non-empty str (ValueError otherwise)."""
+def check_sample_args(
+    contexts: Any, max_tokens: Any, seed: Any, stop: Any
+) -> tuple[list[int], list[str]]:
+    """The checks of both generators' ``sample``: the per-context budgets (``max_tokens``, one
+    int for all or one per context) and the stop strings; ValueError naming the bad value."""
     if isinstance(stop, str) or not all(isinstance(s, str) and s for s in stop):
         raise ValueError(f"stop must be a list of non-empty str, got {stop!r}")
-    return list(stop)
+    budgets = [max_tokens] * len(contexts) if not isinstance(max_tokens, list) else max_tokens
+    if len(budgets) != len(contexts) or any(_not_int(b) or b < 1 for b in budgets):
+        raise ValueError(
+            f"max_tokens must be an int >= 1 or one such int per context, got {max_tokens!r}"
+        )
+    if _not_int(seed) or seed < 0:
+        raise ValueError(f"seed must be an int >= 0, got {seed!r}")
+    if any(len(c) == 0 for c in contexts):
+        raise ValueError("every context must hold at least one token")
+    return budgets, list(stop)
 
 
 @dataclass(frozen=True)

@@ -41,10 +41,9 @@ import torch
 from trainer.rollout.hf import LOGPROBS_MODE
 from trainer.rollout.sampling import (
     Sampled,
-    _not_int,
     check_generate_args,
     check_processing,
-    check_stop,
+    check_sample_args,
     stop_position,
 )
 from trainer.rollout.vllm_engine import (
@@ -396,39 +395,34 @@ class VLLMGenerator:
         temperature: float = 1.0,
         top_p: float = 1.0,
         top_k: int = 0,
-        max_tokens: int = 64,
+        max_tokens: int | list[int] = 64,
         seed: int = 0,
         stop: list[str] | tuple[str, ...] = (),
     ) -> list[Sampled]:
         """Continue each token-id context once (a multi-turn rollout's next model turn).
 
-        Context ``i`` is one request seeded :func:`prompt_seed` ``(seed, i)``; log-probs are
-        those of :meth:`generate`. ``stop`` strings end a continuation with the token that
-        completes one (vLLM's ``stop``; the cut is checked with the HF tokenizer's decode,
-        :func:`trainer.rollout.sampling.stop_position`, the transformers generator's rule).
+        Context ``i`` is one request seeded :func:`prompt_seed` ``(seed, i)``, with its own
+        budget when ``max_tokens`` is a list; log-probs are those of :meth:`generate`. ``stop``
+        strings end a continuation with the token that completes one (vLLM's ``stop``; the cut
+        is checked with the HF tokenizer's decode, :func:`trainer.rollout.sampling.stop_position`,
+        the transformers generator's rule).
         """
         if self._llm is None:
             raise RuntimeError("VLLMGenerator is closed")
         if self._refusal is not None:
             raise WeightUpdateError(self._refusal)
         check_processing(temperature, top_p, top_k)
-        stop = check_stop(stop)
-        if _not_int(max_tokens) or max_tokens < 1:
-            raise ValueError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
-        if _not_int(seed) or seed < 0:
-            raise ValueError(f"seed must be an int >= 0, got {seed!r}")
-        for ids in contexts:
-            if not ids:
-                raise ValueError("every context must hold at least one token")
-            if len(ids) + max_tokens > self.max_model_len:
+        budgets, stop = check_sample_args(contexts, max_tokens, seed, stop)
+        for ids, budget in zip(contexts, budgets):
+            if len(ids) + budget > self.max_model_len:
                 raise ValueError(
-                    f"context of {len(ids)} tokens + max_tokens {max_tokens} exceeds "
+                    f"context of {len(ids)} tokens + max_tokens {budget} exceeds "
                     f"max_model_len {self.max_model_len}"
                 )
         if not contexts:
             return []
         params = request_params(
-            len(contexts), 1, temperature, top_p, top_k, max_tokens, seed, stop=stop
+            len(contexts), 1, temperature, top_p, top_k, budgets, seed, stop=stop
         )
         outputs = self._llm.generate(
             [{"prompt_token_ids": list(ids)} for ids in contexts], params, use_tqdm=False

@@ -5,7 +5,7 @@ and reading the sampled tokens' log-probs out of a vLLM completion."""
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -109,15 +109,17 @@ def request_params(
     temperature: float,
     top_p: float,
     top_k: int,
-    max_tokens: int,
+    max_tokens: int | Sequence[int],
     seed: int,
     *,
     stop: tuple[str, ...] | list[str] = (),
 ) -> list[Any]:
     """One vLLM ``SamplingParams`` per request: ``n`` samples, processed log-probs of the sampled
-    tokens, request ``i`` seeded :func:`prompt_seed` ``(seed, i)``; ``stop`` strings are matched
-    on detokenized text and kept in the output."""
+    tokens, request ``i`` seeded :func:`prompt_seed` ``(seed, i)`` with budget ``max_tokens``
+    (or ``max_tokens[i]``); ``stop`` strings are matched on detokenized text and kept."""
     from vllm import SamplingParams
+
+    budgets = [max_tokens] * count if isinstance(max_tokens, int) else list(max_tokens)
 
     extra: dict[str, Any] = {"detokenize": False}
     if stop:
@@ -128,7 +130,7 @@ def request_params(
             temperature=float(temperature),
             top_p=float(top_p),
             top_k=int(top_k),
-            max_tokens=max_tokens,
+            max_tokens=budgets[i],
             seed=prompt_seed(seed, i),
             logprobs=0,
             **extra,
