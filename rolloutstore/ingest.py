@@ -168,13 +168,17 @@ def _parquet_chunks(path: str, rename: Mapping[str, str], on_bytes: Callable) ->
     try:
         pf = pq.ParquetFile(path)
         expected = pf.metadata.num_rows
-    except (pa.ArrowException, OSError) as exc:
+    except (pa.ArrowException, OSError, UnicodeDecodeError) as exc:  # a damaged footer name
         raise refuse(exc) from exc
     batches, got = pf.iter_batches(batch_size=CHUNK_ROWS), 0
     while True:
         try:
             batch = next(batches, None)
-        except (pa.ArrowException, OSError) as exc:
+            if batch is not None:
+                # Full validation: a damaged string page may hold invalid UTF-8, which only a
+                # later to_pylist() would trip over.
+                batch.validate(full=True)
+        except (pa.ArrowException, OSError, UnicodeDecodeError) as exc:
             raise refuse(exc) from exc
         if batch is None:
             break
