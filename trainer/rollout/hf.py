@@ -32,11 +32,10 @@ from trainer.rollout.sampling import (
     check_generate_args,
     check_processing,
     check_sample_args,
+    rollout_row,
     stop_position,
 )
 from trainer.tasks.chat import encode_prompt
-
-LOGPROBS_MODE = "processed_logprobs"
 
 
 def process_logits(
@@ -247,28 +246,21 @@ class HFGenerator:
         for (i, j), (completion_ids, logprobs) in zip(rows, sampled):
             finished = bool(completion_ids) and completion_ids[-1] in self.eos_token_ids
             out.append(
-                {
-                    "prompt_ids": list(prompt_ids[i]),
-                    "completion_ids": completion_ids,
-                    "behavior_logprobs": logprobs,
-                    "prompt_text": prompts[i],
-                    "completion_text": self.tokenizer.decode(
-                        completion_ids, skip_special_tokens=True
-                    ),
-                    "finish_reason": "stop" if finished else "length",
-                    "temperature": float(temperature),
-                    "top_p": float(top_p),
-                    "top_k": int(top_k),
-                    "max_tokens": int(max_tokens),
-                    "seed": int(seed),
-                    "logprobs_mode": LOGPROBS_MODE,
-                    "generator": self.generator_name,
-                    "policy_version": self.policy_version,
-                    "policy_id": self.policy_id,
-                    "tokenizer_fingerprint": self.tokenizer_fingerprint,
-                    "group_id": group_ids[i],
-                    "sample_index": j,
-                }
+                rollout_row(
+                    self,
+                    prompt_ids=prompt_ids[i],
+                    prompt_text=prompts[i],
+                    completion_ids=completion_ids,
+                    logprobs=logprobs,
+                    finish_reason="stop" if finished else "length",
+                    temperature=temperature,
+                    top_p=top_p,
+                    top_k=top_k,
+                    max_tokens=max_tokens,
+                    seed=seed,
+                    group_id=group_ids[i],
+                    sample_index=j,
+                )  # fmt: skip
             )
         return out
 

@@ -34,8 +34,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainer.rollout.hf import LOGPROBS_MODE
-from trainer.rollout.sampling import _not_int, check_generate_args
+from trainer.rollout.sampling import _not_int, check_generate_args, rollout_row
 from trainer.tasks.chat import encode_prompt
 from trainer.tasks.tools import ToolEnv
 
@@ -181,30 +180,13 @@ def _rows(gen, prompts, prompt_ids, trajs, temperature, top_p, top_k, max_tokens
     group_ids = [uuid.uuid4().hex for _ in prompts]
     rows = []
     for t in trajs:
-        rows.append(
-            {
-                "prompt_ids": list(prompt_ids[t.prompt]),
-                "completion_ids": t.ids,
-                "behavior_logprobs": t.logprobs,
-                "loss_mask": t.mask,
-                "turns": t.turns,
-                "prompt_text": prompts[t.prompt],
-                "completion_text": gen.tokenizer.decode(t.ids, skip_special_tokens=True),
-                "finish_reason": t.finish,
-                "temperature": float(temperature),
-                "top_p": float(top_p),
-                "top_k": int(top_k),
-                "max_tokens": int(max_tokens),
-                "seed": int(seed),
-                "logprobs_mode": LOGPROBS_MODE,
-                "generator": gen.generator_name,
-                "policy_version": gen.policy_version,
-                "policy_id": gen.policy_id,
-                "tokenizer_fingerprint": gen.tokenizer_fingerprint,
-                "group_id": group_ids[t.prompt],
-                "sample_index": t.sample_index,
-            }
-        )
+        row = rollout_row(
+            gen, prompt_ids=prompt_ids[t.prompt], prompt_text=prompts[t.prompt],
+            completion_ids=t.ids, logprobs=t.logprobs, finish_reason=t.finish,
+            temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, seed=seed,
+            group_id=group_ids[t.prompt], sample_index=t.sample_index,
+        )  # fmt: skip
+        rows.append({**row, "loss_mask": t.mask, "turns": t.turns})
     return rows
 
 

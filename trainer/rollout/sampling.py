@@ -15,6 +15,10 @@ from typing import Any, Literal
 from rolloutstore.cliargs import help_field as _h
 from trainer.errors import ConfigError
 
+# What behavior_logprobs hold for rows our generators sample: the log-prob of each token under
+# the distribution it was drawn from (after temperature, top-k and top-p).
+LOGPROBS_MODE = "processed_logprobs"
+
 Backend = Literal["hf", "vllm", "auto"]
 GenDtype = Literal["auto", "float32", "bfloat16", "float16"]
 # max_model_len when the config leaves it 0: the model's max_position_embeddings, capped here
@@ -241,3 +245,43 @@ class GenerationConfig:
             max_tokens=self.max_tokens,
             seed=seed,
         )
+
+
+def rollout_row(
+    gen: Any,
+    *,
+    prompt_ids: Sequence[int],
+    prompt_text: str,
+    completion_ids: list[int],
+    logprobs: list[float],
+    finish_reason: str,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    max_tokens: int,
+    seed: int,
+    group_id: str,
+    sample_index: int,
+) -> dict[str, Any]:
+    """One sampled rollout as a store row, with the same keys from every generator (``gen``
+    gives the tokenizer, its fingerprint, the generator name and the policy's version and id)."""
+    return {
+        "prompt_ids": list(prompt_ids),
+        "completion_ids": completion_ids,
+        "behavior_logprobs": logprobs,
+        "prompt_text": prompt_text,
+        "completion_text": gen.tokenizer.decode(completion_ids, skip_special_tokens=True),
+        "finish_reason": finish_reason,
+        "temperature": float(temperature),
+        "top_p": float(top_p),
+        "top_k": int(top_k),
+        "max_tokens": int(max_tokens),
+        "seed": int(seed),
+        "logprobs_mode": LOGPROBS_MODE,
+        "generator": gen.generator_name,
+        "policy_version": gen.policy_version,
+        "policy_id": gen.policy_id,
+        "tokenizer_fingerprint": gen.tokenizer_fingerprint,
+        "group_id": group_id,
+        "sample_index": sample_index,
+    }

@@ -38,12 +38,13 @@ from typing import Any
 
 import torch
 
-from trainer.rollout.hf import LOGPROBS_MODE
 from trainer.rollout.sampling import (
+    LOGPROBS_MODE,
     Sampled,
     check_generate_args,
     check_processing,
     check_sample_args,
+    rollout_row,
     stop_position,
 )
 from trainer.rollout.vllm_engine import (
@@ -363,28 +364,21 @@ class VLLMGenerator:
             for j, c in enumerate(completions):
                 completion_ids = [int(t) for t in c.token_ids]
                 rows.append(
-                    {
-                        "prompt_ids": list(prompt_ids[i]),
-                        "completion_ids": completion_ids,
-                        "behavior_logprobs": _sampled_logprobs(c, completion_ids),
-                        "prompt_text": prompts[i],
-                        "completion_text": self.tokenizer.decode(
-                            completion_ids, skip_special_tokens=True
-                        ),
-                        "finish_reason": c.finish_reason or "length",
-                        "temperature": float(temperature),
-                        "top_p": float(top_p),
-                        "top_k": int(top_k),
-                        "max_tokens": int(max_tokens),
-                        "seed": int(seed),
-                        "logprobs_mode": LOGPROBS_MODE,
-                        "generator": self.generator_name,
-                        "policy_version": self.policy_version,
-                        "policy_id": self.policy_id,
-                        "tokenizer_fingerprint": self.tokenizer_fingerprint,
-                        "group_id": group_id,
-                        "sample_index": j,
-                    }
+                    rollout_row(
+                        self,
+                        prompt_ids=prompt_ids[i],
+                        prompt_text=prompts[i],
+                        completion_ids=completion_ids,
+                        logprobs=_sampled_logprobs(c, completion_ids),
+                        finish_reason=c.finish_reason or "length",
+                        temperature=temperature,
+                        top_p=top_p,
+                        top_k=top_k,
+                        max_tokens=max_tokens,
+                        seed=seed,
+                        group_id=group_id,
+                        sample_index=j,
+                    )  # fmt: skip
                 )
         return rows
 
