@@ -20,15 +20,10 @@ import pyarrow.compute as pc
 
 from .errors import ValidationError
 from .ids import prompt_ids_hash, uuid7_strings
-from .validate_turns import prepare_turns
+from .validate_turns import _first, prepare_turns
 
 DERIVED = ("num_prompt_tokens", "num_completion_tokens")
 JSON_FIELDS = ("reward_info", "metadata")
-
-
-def _first_true(mask: np.ndarray) -> int | None:
-    idx = np.flatnonzero(mask)
-    return int(idx[0]) if idx.size else None
 
 
 def _to_array(values: list, name: str, type_: pa.DataType) -> pa.Array:
@@ -204,7 +199,7 @@ def _check_required(table: pa.Table, schema: pa.Schema) -> None:
             continue
         if field.name not in table.column_names:
             raise ValidationError("required field is missing", row=0, field=field.name)
-        row = _first_true(table[field.name].is_null().to_numpy(zero_copy_only=False))
+        row = _first(table[field.name].is_null().to_numpy(zero_copy_only=False))
         if row is not None:
             raise ValidationError("required field is null", row=row, field=field.name)
 
@@ -217,7 +212,7 @@ def _check_values(col: pa.Array, name: str, bad_values, what: str) -> None:
         what = "null element in list"
     else:
         mask = bad_values(flat.to_numpy(zero_copy_only=False))
-    pos = _first_true(mask)
+    pos = _first(mask)
     if pos is not None:
         row = int(pc.list_parent_indices(col)[pos].as_py())
         value = flat[pos].as_py()
@@ -229,7 +224,7 @@ def _check_lengths(cols: dict[str, pa.Array]) -> np.ndarray:
     completion lengths."""
     comp = _list_lengths(cols["completion_ids"])
     lp = _list_lengths(cols["behavior_logprobs"])
-    row = _first_true(comp != lp)
+    row = _first(comp != lp)
     if row is not None:
         raise ValidationError(
             f"expected one log-prob per completion token: {comp[row]} completion_ids but "
@@ -241,7 +236,7 @@ def _check_lengths(cols: dict[str, pa.Array]) -> np.ndarray:
         # Schema rule (see rollout.v2.json): a trainable row has >= 1 prompt token (the
         # first completion token is scored from the last prompt position) and >= 1
         # completion token. A generation that produced nothing has nothing to train on.
-        row = _first_true(_list_lengths(cols[name]) == 0)
+        row = _first(_list_lengths(cols[name]) == 0)
         if row is not None:
             raise ValidationError(
                 "expected at least one token, found an empty list; drop rows whose "
@@ -260,7 +255,7 @@ def _check_invariants(t: pa.Table, unique_ids: bool) -> None:
         if name in t.column_names:
             v = t[name].to_numpy(zero_copy_only=False).astype(np.float64)
             valid = ~t[name].is_null().to_numpy(zero_copy_only=False)
-            row = _first_true(valid & ~np.isfinite(np.where(valid, v, 0.0)))
+            row = _first(valid & ~np.isfinite(np.where(valid, v, 0.0)))
             if row is not None:
                 raise ValidationError(
                     f"must be finite or null, found {v[row]}", row=row, field=name
@@ -269,7 +264,7 @@ def _check_invariants(t: pa.Table, unique_ids: bool) -> None:
         emb = t["embedding"]
         _check_values(emb, "embedding", lambda v: ~np.isfinite(v), "embedding must be finite")
     if "sample_index" in t.column_names:
-        row = _first_true(t["sample_index"].to_numpy(zero_copy_only=False) < 0)
+        row = _first(t["sample_index"].to_numpy(zero_copy_only=False) < 0)
         if row is not None:
             raise ValidationError("must be >= 0", row=row, field="sample_index")
     ids = t["rollout_id"]
@@ -305,7 +300,7 @@ def prepare(
     for name in ("prompt_ids", "completion_ids", "behavior_logprobs", "policy_version"):
         if name not in cols:
             raise ValidationError("required field is missing", row=0, field=name)
-        row = _first_true(cols[name].is_null().to_numpy(zero_copy_only=False))
+        row = _first(cols[name].is_null().to_numpy(zero_copy_only=False))
         if row is not None:
             raise ValidationError("required field is null", row=row, field=name)
     stamp = now or datetime.now(UTC)
@@ -326,7 +321,7 @@ def prepare(
         given = cols.get(name)
         if given is not None:
             g = given.to_numpy(zero_copy_only=False)
-            row = _first_true(~given.is_null().to_numpy(zero_copy_only=False) & (g != derived))
+            row = _first(~given.is_null().to_numpy(zero_copy_only=False) & (g != derived))
             if row is not None:
                 raise ValidationError(
                     f"expected len({src}) = {derived[row]}, found {g[row]}", row=row, field=name

@@ -32,6 +32,7 @@ MASK_TYPE = pa.list_(pa.int8())
 
 
 def _first(mask: np.ndarray) -> int | None:
+    """Index of the first true entry (the row an error names), or None."""
     idx = np.flatnonzero(mask)
     return int(idx[0]) if idx.size else None
 
