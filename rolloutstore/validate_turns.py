@@ -358,3 +358,19 @@ def prepare_turns(cols: dict[str, pa.Array], c_len: np.ndarray) -> None:
     tools = _tools(turns, n)
     _refuse_different(cols, "tools", tools, "the sorted tool names of the tool turns")
     cols["tools"] = tools
+
+
+def turns_from_mask(mask: list[int], env_role: str = "tool") -> list[dict]:
+    """``turns`` for a completion known only by its loss mask (TRL's ``tool_mask``, verl's
+    ``response_mask``): each run of 1s is an assistant turn, each run of 0s an ``env_role``
+    turn (no tool name: the mask does not say which tool answered)."""
+    if env_role not in ROLES or env_role == "assistant":
+        raise ValueError(f"env_role must be one of {ROLES[1:]}, got {env_role!r}")
+    turns: list[dict] = []
+    for i, bit in enumerate(mask):
+        role = "assistant" if bit else env_role
+        if turns and turns[-1]["role"] == role:
+            turns[-1]["end"] = i + 1
+        else:
+            turns.append({"role": role, "start": i, "end": i + 1, "tool_name": None})
+    return turns

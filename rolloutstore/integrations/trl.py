@@ -27,8 +27,14 @@ Resume: ``trainer.train(resume_from_checkpoint=...)`` restores the selector's st
                                                     fresh_fraction=0.5))
     trainer.train()
 
+Multi-turn: with ``tools``, ``environment_factory`` or a ``rollout_func`` returning
+``env_mask``, TRL's ``tool_mask`` (1 = sampled by the policy, 0 = tool / environment
+tokens) is stored as the row's ``loss_mask`` with ``turns`` (runs of 1s: assistant turns,
+runs of 0s: tool turns), behaviour log-probs 0 on the tool tokens; replayed rows give it
+back to TRL as ``tool_mask``, so a replayed trajectory trains on its model tokens only.
+
 Supported: one process, transformers generation (``use_vllm=False``), ``beta=0``, text
-prompts (plain or conversational), no tools or images; anything else raises ``UsageError``.
+prompts (plain or conversational), no images; anything else raises ``UsageError``.
 """
 
 from __future__ import annotations
@@ -58,6 +64,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 from ..ids import uuid7_strings
 from ..replay import ReplayConfig, Selection, Selector
 from ..store import RolloutStore
+from ..validate_turns import turns_from_mask
 
 __all__ = ["LOGPROBS_MODE", "STATE_FILE", "ReplayGRPOTrainer"]
 
@@ -106,12 +113,10 @@ class ReplayGRPOTrainer(GRPOTrainer):
             bad.append("use_vllm=True (transformers generation only)")
         if self.beta != 0.0:
             bad.append(f"beta={self.beta} (no reference model for replayed rows: use beta=0)")
-        if self.tools or self.environment_factories is not None or self.rollout_func is not None:
-            bad.append("tools / environment_factory / rollout_func")
         if bad:
             raise UsageError(
                 "ReplayGRPOTrainer does not support " + "; ".join(bad) + ": expected one process, "
-                "use_vllm=False, beta=0, no tools; use GRPOTrainer for these settings"
+                "use_vllm=False, beta=0; use GRPOTrainer for these settings"
             )
         window = self.replay_config.window
         if window is not None and window < self._generation_rows():
@@ -128,7 +133,9 @@ class ReplayGRPOTrainer(GRPOTrainer):
     def _generate(self, prompts: list):
         out = super()._generate(prompts)
         # (prompt_ids, completion_ids, tool_mask, completions, logprobs, ...): unpadded lists.
-        self._captured.update(prompt_ids=out[0], completion_ids=out[1], completions=out[3])
+        self._captured.update(
+            prompt_ids=out[0], completion_ids=out[1], tool_mask=out[2], completions=out[3]
+        )
         return out
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
@@ -143,7 +150,7 @@ class ReplayGRPOTrainer(GRPOTrainer):
         fresh = super()._generate_and_score_completions(inputs)
         if not self.model.training:
             return fresh
-        for key in ("tool_mask", "pixel_values", "ref_per_token_logps"):
+        for key in ("pixel_values", "ref_per_token_logps"):
             if key in fresh:
                 raise UsageError(f"ReplayGRPOTrainer cannot store TRL's {key!r}: text-only GRPO")
         version = int(self.state.global_step)
@@ -198,6 +205,7 @@ class ReplayGRPOTrainer(GRPOTrainer):
         unscored = torch.isnan(per_func).all(dim=1)
         advantages = fresh["advantages"].float().cpu().tolist()
         behavior = behavior.float().clamp(max=0.0).cpu()
+        masks = cap.get("tool_mask")  # None: single-turn, every token the policy's
         groups = uuid7_strings(n // g)
         eos = {*self.eos_token_ids, self._tokenizer.pad_token_id}
         generator = f"transformers/{transformers.__version__}+trl/{trl.__version__}"
@@ -205,6 +213,12 @@ class ReplayGRPOTrainer(GRPOTrainer):
         for i in range(n):
             c = list(completion_ids[i])
             info = {name: _num(per_func[i, k]) for k, name in enumerate(self.reward_func_names)}
+            logps = behavior[i, : len(c)].tolist()
+            turn_cols = {}
+            if masks is not None:
+                mask = [int(b) for b in masks[i]]
+                logps = [lp if b else 0.0 for lp, b in zip(logps, mask, strict=True)]
+                turn_cols = {"loss_mask": mask, "turns": turns_from_mask(mask)}
             rows.append(
                 {
                     "run_id": self.run_id,
@@ -214,7 +228,7 @@ class ReplayGRPOTrainer(GRPOTrainer):
                     "policy_id": self.run_id,
                     "prompt_ids": list(prompt_ids[i]),
                     "completion_ids": c,
-                    "behavior_logprobs": behavior[i, : len(c)].tolist(),
+                    "behavior_logprobs": logps,
                     "prompt_text": _text(cap["prompts"][i]),
                     "completion_text": _text(cap["completions"][i]),
                     "finish_reason": "stop" if c and c[-1] in eos else "length",
@@ -227,6 +241,7 @@ class ReplayGRPOTrainer(GRPOTrainer):
                     "reward": None if unscored[i] else float(rewards[i]),
                     "reward_info": json.dumps(info),
                     "advantage": advantages[i],
+                    **turn_cols,
                 }
             )
         self.store.append(rows)
@@ -235,7 +250,8 @@ class ReplayGRPOTrainer(GRPOTrainer):
     def _inputs(self, sel: Selection) -> dict[str, Any]:
         """TRL's inputs dict for the drawn rows, padded as ``_generate_and_score_completions`` pads."""
         table = self.store.checkout(sel.store_version).take_rows(
-            sel.row_addresses, columns=["prompt_ids", "completion_ids", "behavior_logprobs"]
+            sel.row_addresses,
+            columns=["prompt_ids", "completion_ids", "behavior_logprobs", "loss_mask"],
         )
         device, pad_id, multiple = (
             self.accelerator.device,
@@ -256,6 +272,14 @@ class ReplayGRPOTrainer(GRPOTrainer):
             truncated = torch.tensor([int(c[-1]) not in eos for c in completions])
             completion_mask = completion_mask * (~truncated).unsqueeze(1).long()
         completion_mask = completion_mask.to(device)
+        masks = table["loss_mask"].to_pylist()  # every read shows an all-ones mask as ones
+        extra = {}
+        if any(0 in m for m in masks):  # TRL's tool_mask, padded with 1 as TRL pads it
+            tool_mask = pad(
+                [torch.tensor(m, dtype=torch.long) for m in masks], 1, "right", multiple
+            )
+            extra["tool_mask"] = tool_mask.to(device)
+        loss_mask = completion_mask * extra.get("tool_mask", 1)
         advantages = torch.nan_to_num(torch.as_tensor(sel.advantages, dtype=torch.float32), nan=0.0)
         return {
             "prompt_ids": pad(prompts, pad_id, "left", multiple).to(device),  # (B, P)
@@ -264,7 +288,8 @@ class ReplayGRPOTrainer(GRPOTrainer):
             "completion_mask": completion_mask,  # (B, C)
             "old_per_token_logps": pad(logps, 0.0, "right", multiple).to(device),  # (B, C)
             "advantages": advantages.to(device),  # (B,)
-            "num_items_in_batch": self.accelerator.gather(completion_mask.sum()).sum(),
+            "num_items_in_batch": self.accelerator.gather(loss_mask.sum()).sum(),
+            **extra,
         }
 
     # -- checkpoint and resume ---------------------------------------------------------
