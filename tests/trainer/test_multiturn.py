@@ -393,6 +393,28 @@ def test_config_builds_a_tool_task() -> None:
     assert not isinstance(TrainConfig.from_dict({}).task.build(), ToolTask)
 
 
+@pytest.mark.parametrize(
+    "generation,want",
+    [
+        ({"max_tokens": 12}, 12),  # single turn: the completion budget
+        ({"max_tokens": 12, "max_turns": 4}, 48),  # every model turn may use its budget
+        ({"max_tokens": 12, "max_turns": 4, "max_total_tokens": 30}, 30),  # capped in all
+        ({"max_tokens": 12, "max_turns": 2, "max_total_tokens": 500}, 24),
+    ],
+)
+def test_dr_grpo_normaliser_is_the_model_token_budget_of_a_trajectory(generation, want) -> None:
+    from trainer.run.setup import learner_loss_config
+
+    tools = {"tools": ["calculator"]} if generation.get("max_turns", 1) > 1 else {}
+    cfg = TrainConfig.from_dict(
+        {"task": tools, "generation": generation, "loss": {"agg": "seq-mean-token-sum-norm"}}
+    )
+    assert learner_loss_config(cfg).agg_norm_len == want
+    fixed = TrainConfig.from_dict({"task": tools, "generation": generation,
+                                   "loss": {"agg": "seq-mean-token-sum-norm", "agg_norm_len": 7}})  # fmt: skip
+    assert learner_loss_config(fixed).agg_norm_len == 7
+
+
 # -- vLLM -----------------------------------------------------------------------------------
 
 

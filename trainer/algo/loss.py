@@ -65,7 +65,8 @@ normaliser, so masking shrinks the update instead of re-scaling the surviving to
 * ``seq-mean-token-mean``: per-sequence mean over its valid tokens, mean over sequences;
 * ``seq-mean-token-sum-norm``: Dr. GRPO's constant normaliser, sum over all tokens /
   (sequences * ``agg_norm_len``): no length bias from a per-sequence or per-batch token count
-  (the learner sets ``agg_norm_len`` to ``[generation].max_tokens`` when it is None).
+  (the training loops set ``agg_norm_len`` to the model-token budget of a trajectory,
+  ``[generation].max_tokens`` x ``max_turns`` within ``max_total_tokens``, when it is None).
 """
 
 from __future__ import annotations

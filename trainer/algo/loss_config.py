@@ -33,8 +33,9 @@ class LossConfig:
 
     loss_type: LossType = "ppo"
     agg: Agg = "token-mean"
-    # seq-mean-token-sum-norm: the constant length normaliser (Dr. GRPO). None: the learner
-    # fills in [generation].max_tokens; policy_loss itself requires it.
+    # seq-mean-token-sum-norm: the constant length normaliser (Dr. GRPO). None: the training
+    # loops fill in the model-token budget of a trajectory ([generation].max_tokens, x
+    # max_turns within max_total_tokens for multi-turn); policy_loss itself requires it.
     agg_norm_len: int | None = None
     eps_low: float = 0.2
     eps_high: float = 0.2

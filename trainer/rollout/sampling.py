@@ -185,6 +185,13 @@ class GenerationConfig:
         self._check_engine()
         self._check_turns()
 
+    def model_token_budget(self) -> int:
+        """The most policy-sampled (loss-mask 1) tokens one trajectory can hold: ``max_tokens``
+        per model turn, ``max_turns`` turns, within ``max_total_tokens`` when set (the
+        constant of Dr. GRPO's length normaliser; tool tokens carry no loss)."""
+        budget = self.max_turns * self.max_tokens
+        return min(budget, self.max_total_tokens) if self.max_total_tokens else budget
+
     def _check_turns(self) -> None:
         if _not_int(self.max_turns) or self.max_turns < 1:
             raise ConfigError(f"[generation].max_turns must be an int >= 1, got {self.max_turns!r}")

@@ -16,6 +16,7 @@ import torch
 from rolloutstore import RolloutStore
 from rolloutstore.replay.loader import ReplayDataset
 from trainer.algo.learner import Learner
+from trainer.algo.loss_config import LossConfig
 from trainer.config import TrainConfig, configured_location, storage_options_from_env
 from trainer.errors import RunDirError
 from trainer.models.load import check_model_dir, load_model, resolve_device, resolve_dtype
@@ -205,18 +206,25 @@ def _import_sources(store: RolloutStore, sources, run_id: str, tokenizer) -> Non
         )
 
 
+def learner_loss_config(cfg: TrainConfig) -> LossConfig:
+    """``[loss]`` with Dr. GRPO's constant normaliser filled in when unset: the generation's
+    budget of model tokens per trajectory (``max_tokens``; multi-turn: ``max_turns x
+    max_tokens`` within ``max_total_tokens``)."""
+    loss = cfg.loss
+    if loss.agg == "seq-mean-token-sum-norm" and loss.agg_norm_len is None:
+        loss = replace(loss, agg_norm_len=cfg.generation.model_token_budget())
+    return loss
+
+
 def build_learner(cfg: TrainConfig, model, device: torch.device) -> Learner:
     """The learner over ``model`` with the run's loss, optimizer and sampling settings."""
     g, mc = cfg.generation, cfg.model
     optim = cfg.optim
     if mc.gradient_checkpointing and not optim.grad_checkpointing:
         optim = replace(optim, grad_checkpointing=True)
-    loss = cfg.loss
-    if loss.agg == "seq-mean-token-sum-norm" and loss.agg_norm_len is None:
-        loss = replace(loss, agg_norm_len=g.max_tokens)  # Dr. GRPO: the generation budget
     return Learner(
         model,
-        loss,
+        learner_loss_config(cfg),
         optim,
         temperature=g.temperature,
         top_k=g.top_k or None,
