@@ -459,8 +459,6 @@ def test_vllm_stop_strings_end_the_turn(vllm_gen, prompts) -> None:
 
 def test_pipeline_appends_multiturn_rows(tmp_path, hf) -> None:
     store = RolloutStore.open(tmp_path / "store")
-    if "loss_mask" not in store.schema.names:
-        pytest.skip("the store does not have the schema-v2 loss_mask column yet")
     summary = generate_rollouts(
         store, model=hf, task=tool_task(), prompts=6, group_size=3, policy_version=4,
         backend="hf", max_tokens=24, seed=1, run_id="mt", progress=False, max_turns=3,
@@ -477,3 +475,6 @@ def test_pipeline_appends_multiturn_rows(tmp_path, hf) -> None:
         assert r["num_model_tokens"] == sum(r["loss_mask"])
         assert len(r["loss_mask"]) == len(r["completion_ids"])
         assert r["num_turns"] == len(r["turns"])
+    # Generated tokens are the model's: the tool replies were not sampled.
+    assert summary.tokens == sum(r["num_model_tokens"] for r in rows)
+    assert summary.tokens < sum(len(r["completion_ids"]) for r in rows)

@@ -381,8 +381,10 @@ class _Writer:
     def count(self, rows: list[dict[str, Any]]) -> None:
         # Rewards as the store holds them (float32), so that a batch counted again from the
         # store after a crash adds exactly what it added when generated.
+        # Generated tokens are the policy's (loss-mask 1): tool / environment tokens of a
+        # multi-turn trajectory were not sampled, so they cost no generation.
         self.rollouts += len(rows)
-        self.tokens += sum(len(r["completion_ids"]) for r in rows)
+        self.tokens += sum(_model_tokens(r) for r in rows)
         self.reward_sum += sum(float(np.float32(r["reward"])) for r in rows)
 
     def _finish(self) -> None:
@@ -405,11 +407,13 @@ class _Writer:
 
 
 def _stored_rows(store: Any, ids: list[str]) -> list[dict[str, Any]]:
-    """Rollouts ``ids`` as stored (completion ids and reward), in the order of ``ids``."""
+    """Rollouts ``ids`` as stored (completion ids, loss mask, reward), in the order of
+    ``ids``; the raw table's null loss mask (all ones, or a v1 store) counts every token."""
     quoted = ", ".join(f"'{i}'" for i in ids)  # our own UUIDs: no quotes inside
-    t = store.dataset().to_table(
-        columns=["rollout_id", "completion_ids", "reward"], filter=f"rollout_id IN ({quoted})"
-    )
+    ds = store.dataset()
+    columns = ["rollout_id", "completion_ids", "reward"]
+    columns += ["loss_mask"] if "loss_mask" in ds.schema.names else []
+    t = ds.to_table(columns=columns, filter=f"rollout_id IN ({quoted})")
     rows = {r["rollout_id"]: r for r in t.to_pylist()}
     return [rows[i] for i in ids]
 
@@ -449,3 +453,8 @@ def resolve_backend(name: str) -> str:
     import importlib.util
 
     return "vllm" if importlib.util.find_spec("vllm") is not None else "hf"
+
+
+def _model_tokens(row: dict[str, Any]) -> int:
+    mask = row.get("loss_mask")
+    return len(row["completion_ids"]) if mask is None else int(sum(mask))

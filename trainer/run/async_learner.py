@@ -340,7 +340,7 @@ class _Generated:
         version = self.store.version
         if version != self.version:
             row = self.store.sql(
-                "SELECT count(*) AS n, coalesce(sum(num_completion_tokens), 0) AS t "
+                "SELECT count(*) AS n, coalesce(sum(num_model_tokens), 0) AS t "
                 "FROM rollouts WHERE run_id = ?",
                 [self.run_id],
             ).to_pylist()[0]
