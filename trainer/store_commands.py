@@ -22,7 +22,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from rolloutstore.errors import RescoreError
+from rolloutstore.errors import RescoreError, UsageError
 from rolloutstore.rescore import Scorer
 from trainer.errors import TrainerError
 from trainer.rollout.pipeline import BACKENDS, TINY_MODEL, generate_rollouts
@@ -174,12 +174,13 @@ def cmd_generate(args: argparse.Namespace) -> None:
     """Run ``rolloutstore generate`` from parsed arguments and print the closing summary line."""
     from rolloutstore import RolloutStore
 
+    task = _generate_task(args)
     store = RolloutStore.open(args.store, create=True)
     model = resolve_model(args.model, args.store, args.task)
     summary = generate_rollouts(
         store,
         model=model,
-        task=args.task,
+        task=task,
         prompts=args.prompts,
         group_size=args.group_size,
         policy_version=args.policy_version,
@@ -193,8 +194,35 @@ def cmd_generate(args: argparse.Namespace) -> None:
         run_id=args.run_id,
         policy_id=args.policy_id,
         progress=not args.quiet,
+        max_turns=args.max_turns,
+        max_total_tokens=args.max_total_tokens,
     )
     print(summary.line())
+
+
+def _generate_task(args: argparse.Namespace) -> Any:
+    """``--task`` with ``--tools`` (multi-turn), checked before anything is written."""
+    from trainer.tasks import get_task
+    from trainer.tasks.tools import TOOLS, with_tools
+
+    tools = list(dict.fromkeys(args.tools or []))
+    unknown = [t for t in tools if t not in TOOLS]
+    problem = None
+    if unknown:
+        problem = f"--tools: unknown tool {unknown[0]!r}; known tools: {', '.join(sorted(TOOLS))}"
+    elif args.max_turns < 1 or args.max_total_tokens < 0:
+        problem = "--max-turns must be >= 1 and --max-total-tokens >= 0"
+    elif tools and args.max_turns < 2:
+        problem = "--tools needs --max-turns >= 2 (a model turn after the tool's reply)"
+    elif not tools and args.max_turns > 1:
+        problem = f"--max-turns {args.max_turns} needs --tools (nothing answers between turns)"
+    elif 0 < args.max_total_tokens < args.max_tokens:
+        problem = (
+            f"--max-total-tokens {args.max_total_tokens} is below --max-tokens {args.max_tokens}"
+        )
+    if problem:
+        raise UsageError(problem)
+    return with_tools(get_task(args.task), tools)
 
 
 def add_generate_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -217,7 +245,14 @@ def add_generate_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0, help="0 disables top-k")
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=64, help="completion (multi-turn: per turn)")
+    p.add_argument(
+        "--tools", nargs="+", metavar="TOOL", help="tools the model may call (e.g. calculator)"
+    )
+    p.add_argument("--max-turns", type=int, default=1, help="model turns per trajectory")
+    p.add_argument(
+        "--max-total-tokens", type=int, default=0, help="multi-turn: completion cap (0: none)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-prompts", type=int, default=64, help="prompts per append")
     p.add_argument("--run-id", default="default")

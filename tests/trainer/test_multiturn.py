@@ -478,3 +478,34 @@ def test_pipeline_appends_multiturn_rows(tmp_path, hf) -> None:
     # Generated tokens are the model's: the tool replies were not sampled.
     assert summary.tokens == sum(r["num_model_tokens"] for r in rows)
     assert summary.tokens < sum(len(r["completion_ids"]) for r in rows)
+
+
+def test_cli_generate_with_tools_writes_trajectories(tmp_path, tool_model, capsys) -> None:
+    from rolloutstore.cli import main
+
+    store_dir = tmp_path / "store"
+    base = ["generate", str(store_dir), "--model", str(tool_model), "--task", "arith",
+            "--prompts", "4", "--group-size", "2", "--backend", "hf", "--max-tokens", "24",
+            "--seed", "1", "-q"]  # fmt: skip
+    for extra, message in [
+        (["--tools", "abacus", "--max-turns", "3"], "--tools: unknown tool 'abacus'"),
+        (["--tools", "calculator"], "--tools needs --max-turns >= 2"),
+        (["--max-turns", "3"], "--max-turns 3 needs --tools"),
+        (["--tools", "calculator", "--max-turns", "3", "--max-total-tokens", "8"], "is below"),
+    ]:
+        assert main([*base, *extra]) == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and "\n" not in err
+        assert not store_dir.exists()  # refused before anything was written
+    args = ["--tools", "calculator", "--max-turns", "3", "--max-total-tokens", "80"]
+    assert main([*base, *args]) == 0
+    rows = (
+        RolloutStore.open(store_dir, create=False)
+        .sql("SELECT num_turns, num_tool_calls, tools, loss_mask, completion_ids FROM rollouts")
+        .to_pylist()
+    )
+    assert len(rows) == 8 and any(r["num_tool_calls"] >= 1 for r in rows)
+    for r in rows:
+        assert len(r["completion_ids"]) <= 80
+        if r["num_tool_calls"]:
+            assert r["tools"] == ["calculator"] and 0 in r["loss_mask"]
