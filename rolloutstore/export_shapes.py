@@ -54,6 +54,10 @@ DPO_COLUMNS: dict[str, tuple[str, str]] = {
 MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string())])
 CHAT_COLUMNS = ("prompt", "completion", "chosen", "rejected", "messages")
 TURNS = "__turns"  # the query's extra column: metadata's "messages" as JSON text
+# ... and a multi-turn trajectory's own messages (metadata's "completion_messages", as
+# `ingest --from openai` keeps them), per completion column.
+DONE = {"completion": "__done", "chosen": "__done_c", "rejected": "__done_j"}
+_DONE_SQL = "json_extract({t}.metadata, '$.completion_messages')::VARCHAR AS {col}"
 
 
 def quote(name: str) -> str:
@@ -119,6 +123,7 @@ def build_query(
         )
     turns = f", json_extract(r.metadata, '$.messages')::VARCHAR AS {TURNS}" if chat else ""
     if shape == "sft":
+        turns += ", " + _DONE_SQL.format(t="r", col=DONE["completion"]) if chat else ""
         select = ", ".join(
             f"r.{quote(SFT_COLUMNS[c])} AS {quote(c)}" for c in cols if c != "messages"
         )
@@ -141,6 +146,11 @@ def build_query(
         for name, (side, src) in DPO_COLUMNS.items()
         if name in cols
     ) + turns.replace("r.metadata", "c.metadata")
+    if chat:
+        select += "".join(
+            ", " + _DONE_SQL.format(t=t, col=DONE[side])
+            for side, t in (("chosen", "c"), ("rejected", "j"))
+        )
     body = (
         f"WITH r AS ({base}), "
         "k AS (SELECT group_id, rollout_id, reward, "
@@ -176,23 +186,60 @@ def all_chat(store: RolloutStore, where: str | None, params, timeout: float | No
     return n > 0 and n == chat
 
 
+def _turns(text: str | None) -> list[dict[str, Any]] | None:
+    if text is None:
+        return None
+    return [{"role": m.get("role"), "content": m.get("content")} for m in json.loads(text)]
+
+
 def chat_batch(b: pa.RecordBatch, schema: pa.Schema, shape: ExportShape) -> pa.RecordBatch:
-    """Text columns as turns: prompt = the stored turns, completions = one assistant turn."""
+    """Text columns as turns: prompt = the stored turns, a completion = its trajectory's
+    messages when the row keeps them, else one assistant turn."""
     rows = b.to_pylist()
     out: dict[str, list] = {name: [] for name in schema.names}
     for r in rows:
-        turns = [{"role": m.get("role"), "content": m.get("content")}
-                 for m in json.loads(r.pop(TURNS))]  # fmt: skip
+        turns = _turns(r.pop(TURNS))
+        done = {side: _turns(r.pop(col, None)) for side, col in DONE.items()}
         for name in schema.names:
             if name == "prompt":
                 out[name].append(turns)
-            elif name in ("completion", "chosen", "rejected"):
-                out[name].append([{"role": "assistant", "content": r[name]}])
+            elif name in DONE:
+                out[name].append(done[name] or [{"role": "assistant", "content": r[name]}])
             elif name == "messages":
-                out[name].append([*turns, {"role": "assistant", "content": r["completion"]}])
+                own = done["completion"] or [{"role": "assistant", "content": r["completion"]}]
+                out[name].append([*turns, *own])
             else:
                 out[name].append(r[name])
     return pa.RecordBatch.from_pydict(out, schema=schema)
+
+
+def refuse_trajectories(
+    store: RolloutStore, shape: ExportShape, chat: bool, where: str | None, params, timeout
+) -> None:
+    """SFT / DPO text holds a completion as one assistant message: a multi-turn trajectory
+    fits only when its own messages are kept (chat rows ingested with them); any other is
+    refused, naming one, rather than exported with its tool tokens as the model's."""
+    filt = f"AND ({where})" if where is not None else ""
+    kept = "json_type(metadata, '$.completion_messages') = 'ARRAY'" if chat else "false"
+    con = store.connect()
+    try:
+        with limits(con, timeout):
+            n, rid = con.sql(
+                f"SELECT count(*), min(rollout_id) FROM rollouts WHERE num_turns > 1 "
+                f"AND NOT ({kept}) {filt}",
+                params=list(params or []) or None,
+            ).fetchall()[0]
+    except duckdb.Error as exc:
+        raise QueryError(f"export query failed: {type(exc).__name__}: {exc}") from exc
+    finally:
+        con.close()
+    if n:
+        raise ExportError(
+            f"--as {shape}: {n} selected row(s) are multi-turn trajectories whose turns have no "
+            f"messages of their own (e.g. rollout {rid}); as one {shape} completion their tool "
+            "tokens would count as the model's. Use --as messages (one message per turn) or "
+            "--as rollouts (keeps loss_mask), or leave them out with --where 'num_turns = 1'"
+        )
 
 
 @dataclass(frozen=True)
@@ -229,6 +276,8 @@ def shape_query(
     }
     cols = check_columns(columns, allowed[as_], as_)
     chat = as_ != "rollouts" and all_chat(store, where, params, timeout)
+    if as_ in ("sft", "dpo"):
+        refuse_trajectories(store, as_, chat, where, params, timeout)
     if as_ == "sft" and columns is None:  # messages only for conversational rows
         cols.remove("messages")
         if chat:

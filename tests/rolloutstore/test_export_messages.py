@@ -135,3 +135,43 @@ def test_rollouts_export_keeps_turns_and_ingests_back_identically(store, tmp_pat
     got = copy.sql("SELECT loss_mask, turns FROM rollouts WHERE rollout_id = 'd-ids'").to_pylist()
     assert got[0]["loss_mask"] == [1, 1, 1, 0, 1, 1, 1, 1]
     assert [x["tool_name"] for x in got[0]["turns"]] == [None, "calculator", None]
+
+
+def test_sft_and_dpo_refuse_trajectories_without_their_own_messages(store, tmp_path, capsys):
+    for shape in ("sft", "dpo"):
+        out = tmp_path / f"{shape}.jsonl"
+        with pytest.raises(ExportError) as info:
+            store.export(out, as_=shape, progress=False)
+        msg = str(info.value)
+        # d-ids has no per-turn text; c-kept has, but a mixed (not all-chat) export writes
+        # text completions, where its turns cannot be kept apart either.
+        assert "2 selected row(s) are multi-turn" in msg and "rollout c-kept" in msg
+        assert "--as messages" in msg and not out.exists()
+        rc = main(["export", store.uri, str(out), "--as", shape, "-q"])
+        err = capsys.readouterr().err.strip()
+        assert rc == 2 and "multi-turn trajectories" in err and "\n" not in err
+    r = store.export(tmp_path / "one.jsonl", as_="sft", where="num_turns = 1", progress=False)
+    assert r.rows == 1  # a-text and b-chat share a prompt: its best completion
+
+
+def test_sft_and_dpo_write_a_kept_trajectory_as_its_messages(tmp_path):
+    s = RolloutStore.open(tmp_path / "store", embedding_dim=4)
+    rows = [r for r in _rows() if r["rollout_id"] == "c-kept"]
+    worse = [{"role": "assistant", "content": "<calc>6*7</calc>"},
+             {"role": "tool", "content": "42"},
+             {"role": "assistant", "content": "so it is 41"}]  # fmt: skip
+    meta = json.dumps({"messages": PROMPT, "completion_messages": worse})
+    rows.append({**rows[0], "rollout_id": "e-worse", "reward": 0.0, "metadata": meta})
+    for r in rows:
+        r.update(group_id="g", prompt_id="p")
+    s.append(rows)
+    r = s.export(tmp_path / "sft.jsonl", as_="sft", progress=False)
+    assert r.rows == 1
+    (sft,) = [json.loads(x) for x in (tmp_path / "sft.jsonl").read_text().splitlines()]
+    assert sft["prompt"] == PROMPT and sft["completion"] == DONE
+    assert sft["messages"] == PROMPT + DONE and sft["rollout_id"] == "c-kept"
+    s.export(tmp_path / "dpo.jsonl", as_="dpo", progress=False)
+    (dpo,) = [json.loads(x) for x in (tmp_path / "dpo.jsonl").read_text().splitlines()]
+    assert dpo["prompt"] == PROMPT and dpo["chosen"] == DONE and dpo["rejected"] == worse
+    trl = pytest.importorskip("trl.data_utils")
+    assert trl.is_conversational(sft) and trl.is_conversational(dpo)
