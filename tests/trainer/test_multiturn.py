@@ -454,6 +454,25 @@ def test_vllm_stop_strings_end_the_turn(vllm_gen, prompts) -> None:
             assert "</calc>" not in text
 
 
+def test_vllm_compiled_engine_multiturn_batch_on_cpu(tool_model) -> None:
+    """examples/tool_arith.toml's first eval (128 prompts, multi-turn, torch.compile'd CPU
+    engine, its 300-step warm-started model) killed the engine: vLLM rewound a seeded
+    request's generator for a prompt prefilled over several scheduler steps ("CPU Generator
+    does not use offset"). On CPU the engine now prefills whole prompts (chunked prefill
+    off). This smaller model does not hit the crash reliably, so the setting itself is
+    asserted; the batch must complete and the same seed give the same rows."""
+    require_vllm()
+    from trainer.rollout.vllm import VLLMGenerator
+
+    many = [p.prompt_text for p in tool_task().make_prompts(128, seed=9)]
+    with VLLMGenerator(tool_model, policy_version=0, policy_id="c", seed=0) as gen:
+        assert not gen._llm.llm_engine.vllm_config.scheduler_config.enable_chunked_prefill
+        rows = _multiturn(gen, many, group_size=1)
+        again = _multiturn(gen, many, group_size=1)
+    assert len(rows) == 128 and any(0 in r["loss_mask"] for r in rows)
+    assert [r["completion_ids"] for r in again] == [r["completion_ids"] for r in rows]
+
+
 # -- end to end -----------------------------------------------------------------------------
 
 

@@ -182,7 +182,20 @@ class VLLMGenerator:
             kv_cache_memory_bytes = 512 * 2**20
         if gpu_memory_utilization is None:
             gpu_memory_utilization = 0.05 if on_cpu else 0.5
+        # On CPU, no chunked prefill: a seeded request whose prompt is split over scheduler
+        # steps makes vLLM rewind its generator's offset, which CPU generators do not have
+        # ("CPU Generator does not use offset"; hit by batches of more prompt tokens than one
+        # step's budget). Whole prompts per step need a budget of at least max_model_len.
+        cpu = (
+            {
+                "enable_chunked_prefill": False,
+                "max_num_batched_tokens": max(self.max_model_len, 8192),
+            }
+            if on_cpu
+            else {}
+        )
         return {
+            **cpu,
             "seed": seed,
             "dtype": dtype_name(self.dtype),
             "gpu_memory_utilization": gpu_memory_utilization,
