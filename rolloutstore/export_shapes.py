@@ -171,19 +171,26 @@ def build_query(
 def all_chat(store: RolloutStore, where: str | None, params, timeout: float | None) -> bool:
     """Whether every (filtered) row is conversational: its metadata holds prompt turns."""
     filt = f"WHERE ({where})" if where is not None else ""
+    n, chat = _first_row(
+        store,
+        "SELECT count(*), count(*) FILTER "
+        f"(WHERE json_type(metadata, '$.messages') = 'ARRAY') FROM rollouts {filt}",
+        params,
+        timeout,
+    )
+    return n > 0 and n == chat
+
+
+def _first_row(store: RolloutStore, sql: str, params, timeout: float | None) -> tuple:
+    """The first row of a check query on the sandboxed connection (QueryError on failure)."""
     con = store.connect()
     try:
         with limits(con, timeout):
-            n, chat = con.sql(
-                "SELECT count(*), count(*) FILTER "
-                f"(WHERE json_type(metadata, '$.messages') = 'ARRAY') FROM rollouts {filt}",
-                params=list(params or []) or None,
-            ).fetchall()[0]
+            return con.sql(sql, params=list(params or []) or None).fetchall()[0]
     except duckdb.Error as exc:
         raise QueryError(f"export query failed: {type(exc).__name__}: {exc}") from exc
     finally:
         con.close()
-    return n > 0 and n == chat
 
 
 def _turns(text: str | None) -> list[dict[str, Any]] | None:
@@ -221,18 +228,13 @@ def refuse_trajectories(
     refused, naming one, rather than exported with its tool tokens as the model's."""
     filt = f"AND ({where})" if where is not None else ""
     kept = "json_type(metadata, '$.completion_messages') = 'ARRAY'" if chat else "false"
-    con = store.connect()
-    try:
-        with limits(con, timeout):
-            n, rid = con.sql(
-                f"SELECT count(*), min(rollout_id) FROM rollouts WHERE num_turns > 1 "
-                f"AND NOT ({kept}) {filt}",
-                params=list(params or []) or None,
-            ).fetchall()[0]
-    except duckdb.Error as exc:
-        raise QueryError(f"export query failed: {type(exc).__name__}: {exc}") from exc
-    finally:
-        con.close()
+    n, rid = _first_row(
+        store,
+        f"SELECT count(*), min(rollout_id) FROM rollouts WHERE num_turns > 1 "
+        f"AND NOT ({kept}) {filt}",
+        params,
+        timeout,
+    )
     if n:
         raise ExportError(
             f"--as {shape}: {n} selected row(s) are multi-turn trajectories whose turns have no "
