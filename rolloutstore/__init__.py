@@ -6,7 +6,7 @@ store = RolloutStore.open("runs/demo/store")
 
 from __future__ import annotations
 
-from .errors import (
+from rolloutstore.errors import (
     IngestError,
     QueryError,
     ReadOnlyError,
@@ -16,8 +16,9 @@ from .errors import (
     StoreNotFoundError,
     ValidationError,
 )
-from .replay import EmptyBufferError, ReplayConfig, Selection, Selector
-from .store import AppendResult, EvictResult, RolloutStore
+from rolloutstore.facade import EvictResult, RolloutStore
+from rolloutstore.replay import EmptyBufferError, ReplayConfig, Selection, Selector
+from rolloutstore.store.log import AppendResult
 
 __version__ = "0.1.0"
 
@@ -44,7 +45,7 @@ __all__ = [
 def __getattr__(name: str):
     # The torch loader is imported on first use only.
     if name == "ReplayDataset":
-        from .replay.loader import ReplayDataset
+        from rolloutstore.replay.loader import ReplayDataset
 
         return ReplayDataset
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

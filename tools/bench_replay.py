@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from rolloutstore import ReplayConfig, ReplayDataset, RolloutStore, Selector
-from rolloutstore.proxy import proxy_batches
+from rolloutstore.io.proxy import proxy_batches
 
 STRATEGIES = {
     "uniform-window": ReplayConfig(window=16384, seed=0),

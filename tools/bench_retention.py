@@ -26,7 +26,7 @@ import numpy as np
 import pyarrow as pa
 
 from rolloutstore import RolloutStore
-from rolloutstore.retention import KINDS, RetentionConfig, plan_retention, read_rows
+from rolloutstore.retention.policy import KINDS, RetentionConfig, plan_retention, read_rows
 
 DIM = 64
 

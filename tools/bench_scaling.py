@@ -33,7 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rolloutstore import ReplayConfig, ReplayDataset, RolloutStore  # noqa: E402
-from rolloutstore.proxy import proxy_batches  # noqa: E402
+from rolloutstore.io.proxy import proxy_batches  # noqa: E402
 from rolloutstore.replay.selector import Selector  # noqa: E402
 
 H200_BF16_DENSE = 989e12  # FLOP/s, NVIDIA H200 SXM datasheet (dense, no sparsity)

@@ -31,7 +31,7 @@ import pyarrow.parquet as pq
 import zstandard
 
 from rolloutstore import RolloutStore
-from rolloutstore.proxy import proxy_batches, proxy_table
+from rolloutstore.io.proxy import proxy_batches, proxy_table
 
 TOKEN_COLS = ["prompt_ids", "completion_ids", "behavior_logprobs"]
 

@@ -20,8 +20,8 @@ import numpy as np
 import pyarrow.compute as pc
 
 from rolloutstore import RolloutStore
-from rolloutstore.ids import uuid7_strings
-from rolloutstore.unique import ID_INDEX
+from rolloutstore.schema.ids import uuid7_strings
+from rolloutstore.store.unique import ID_INDEX
 
 
 def rows(n: int, seed: int, ids: bool) -> list[dict]:

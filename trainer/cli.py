@@ -7,6 +7,9 @@ torchrun --nproc-per-node 2 -m trainer train CONFIG.toml   # distributed learner
 rolloutstore-train actor RUN_DIR [--actor-id K] [--learner-weights DIR]  # async; learner starts it
 rolloutstore-train actor CONFIG.toml --store s3://B/store --learner-weights s3://B/weights  # remote
 python -m trainer train CONFIG.toml
+rolloutstore-train generate STORE --model DIR|tiny --task arith   # scored rollouts into a store
+rolloutstore-train rescore STORE --task NAME                      # a new reward version
+rolloutstore-train ingest STORE FILE --from verl|trl|openai --score-with MODEL_DIR
 """
 
 from __future__ import annotations
@@ -14,11 +17,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tomllib
 from pathlib import Path
 
-from rolloutstore.errors import RolloutStoreError
+from rolloutstore.cli.base import Parser, add_debug_flag, run_main
+from rolloutstore.cli.base import is_user_error as base_is_user_error
 from trainer.config import ConfigError, TrainConfig
 from trainer.errors import RunDirError, TrainerError
 
@@ -123,10 +126,9 @@ def cmd_plot(a) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="rolloutstore-train", description=__doc__.splitlines()[0])
-    ap.add_argument(
-        "--debug", action="store_true", help="show the full traceback of an error (for reports)"
-    )
+    from trainer.store_commands import register_commands
+
+    ap = Parser(prog="rolloutstore-train", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     _add_train(sub)
     _add_resume(sub)
@@ -134,6 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plot", help="PNGs of reward, entropy, staleness vs step and tokens")
     p.add_argument("run_dir")
     p.set_defaults(func=cmd_plot)
+    register_commands(sub)  # generate, rescore, ingest
+    add_debug_flag(ap, sub)
     return ap
 
 
@@ -217,22 +221,19 @@ def _add_actor(sub) -> None:
     p.set_defaults(func=cmd_actor)
 
 
-# Errors a user can fix (bad config, missing folder, a run that does not fit): one line, exit 2.
-USER_ERRORS = (TrainerError, RolloutStoreError, FileNotFoundError, tomllib.TOMLDecodeError)
+def is_user_error(exc: BaseException) -> bool:
+    """rolloutstore's error policy, plus the trainer's refusals: TrainerError, and the
+    ValueErrors its modules raise on bad arguments (an unknown task, a bad sampling value)."""
+    if base_is_user_error(exc) or isinstance(exc, TrainerError | FileNotFoundError):
+        return True
+    return isinstance(exc, ValueError) and type(exc).__module__.split(".")[0] == "trainer"
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        args.func(args)
-    except USER_ERRORS as exc:
-        if args.debug:
-            raise
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        if args.debug:
-            raise
-        print("interrupted; resume with `rolloutstore-train resume RUN_DIR`", file=sys.stderr)
-        return 130
-    return 0
+    """Run one command; user errors print ``error: ...`` (one line) and return 2."""
+    return run_main(
+        build_parser,
+        argv,
+        user_error=is_user_error,
+        interrupted="interrupted; resume with `rolloutstore-train resume RUN_DIR`",
+    )

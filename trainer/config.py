@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from rolloutstore.cliargs import help_field as _h
+from rolloutstore.options import help_field as _h
 from rolloutstore.replay.config import ReplayConfig
 from trainer.algo.loss import LossConfig
 from trainer.algo.optim import OptimConfig

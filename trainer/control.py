@@ -49,7 +49,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from rolloutstore.cliargs import help_field as _h
+from rolloutstore.options import help_field as _h
 
 Adjust = Literal["updates", "fresh", "both"]
 

@@ -1,17 +1,11 @@
-"""The trainer's plugins for rolloutstore: the ``generate`` and ``rescore`` commands, and
-task verifiers as re-scoring scorers.
+"""The trainer's commands on a store, for ``rolloutstore-train``: ``generate`` (sample scored
+rollouts), ``rescore`` (a task's verifier under a new reward version) and ``ingest --from ...
+--score-with MODEL`` (other frameworks' text rollouts, log-probs recomputed); and
+:func:`task_scorer`, a task as a rolloutstore re-scoring scorer.
 
-rolloutstore never imports the trainer; it finds these through the entry points in
-``pyproject.toml`` (see :mod:`rolloutstore.plugins`)::
-
-    [project.entry-points."rolloutstore.commands"]
-    trainer = "trainer.store_commands:register_commands"
-    [project.entry-points."rolloutstore.scorers"]
-    trainer = "trainer.store_commands:resolve_scorer"
-    [project.entry-points."rolloutstore.row_transformers"]
-    trainer = "trainer.store_commands:resolve_row_transformer"
-
-    rolloutstore rescore STORE --task NAME [--task-option K=V] [--where EXPR --param V]
+    rolloutstore-train generate STORE --model DIR|tiny --task arith [--prompts 256 ...]
+    rolloutstore-train rescore STORE --task NAME [--task-option K=V] [--where EXPR --param V]
+    rolloutstore-train ingest STORE FILE --from verl|trl|openai --score-with MODEL_DIR
 """
 
 from __future__ import annotations
@@ -23,8 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from rolloutstore.errors import RescoreError, UsageError
-from rolloutstore.rescore import Scorer
-from trainer.errors import TrainerError
+from rolloutstore.retention.rescore import Scorer
 from trainer.rollout.pipeline import BACKENDS, TINY_MODEL, generate_rollouts
 
 ADVANTAGE_MODES = ("grpo", "drgrpo")
@@ -32,20 +25,12 @@ ADVANTAGE_MODES = ("grpo", "drgrpo")
 
 # -- commands ------------------------------------------------------------------------------------
 def register_commands(subparsers: Any) -> None:
-    """Add ``generate`` and ``rescore`` to rolloutstore's CLI; trainer ValueErrors are user errors."""
-    from rolloutstore.cli import register_user_errors
+    """Add ``generate``, ``rescore`` and ``ingest`` to ``rolloutstore-train``."""
+    from rolloutstore.cli.ingest import add_ingest_parser
 
     add_generate_parser(subparsers)
     add_rescore_parser(subparsers)
-    register_user_errors(_is_trainer_user_error)
-
-
-def _is_trainer_user_error(exc: BaseException) -> bool:
-    # The trainer's refusals: TrainerError, and the ValueErrors its modules raise on bad
-    # arguments (an unknown task, a bad sampling value); anything else keeps its traceback.
-    if isinstance(exc, TrainerError):
-        return True
-    return isinstance(exc, ValueError) and type(exc).__module__.split(".")[0] == "trainer"
+    add_ingest_parser(subparsers, transformer=row_transformer)
 
 
 def add_rescore_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -73,7 +58,7 @@ def add_rescore_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def cmd_rescore(a: argparse.Namespace) -> None:
     from rolloutstore import RolloutStore
-    from rolloutstore.cliargs import parse_scalar
+    from rolloutstore.options import parse_scalar
 
     options = {}
     for opt in a.task_option:
@@ -82,12 +67,10 @@ def cmd_rescore(a: argparse.Namespace) -> None:
             raise RescoreError(f"--task-option takes KEY=VALUE, got {opt!r}")
         options[key.replace("-", "_")] = parse_scalar(value)
     r = RolloutStore.open(a.store, create=False).rescore(
-        a.task,
-        task_options=options,
+        task_scorer(a.task, options, a.advantage_mode),
         where=a.where,
         params=[parse_scalar(p) for p in a.param],
         from_task=a.from_task,
-        advantage_mode=a.advantage_mode,
         note=a.note,
         progress=not a.quiet,
     )
@@ -95,33 +78,35 @@ def cmd_rescore(a: argparse.Namespace) -> None:
 
 
 # -- scorers -------------------------------------------------------------------------------------
-def resolve_scorer(spec: Any, options: dict[str, Any], mode: str) -> Scorer | None:
-    """A task name or ``trainer.tasks.Task`` as a rolloutstore Scorer; None for anything else."""
+def task_scorer(task: Any, options: dict[str, Any] | None = None, mode: str = "grpo") -> Scorer:
+    """A task (its name, with ``options``, or a ``trainer.tasks.Task``) as a rolloutstore
+    :class:`~rolloutstore.retention.rescore.Scorer`: its verifier scores a row, its group
+    advantages (``mode``: grpo or drgrpo) follow."""
     from trainer.algo.advantage import group_advantages
-    from trainer.tasks import Task, get_task
+    from trainer.tasks import get_task
 
-    if isinstance(spec, str):
+    options = dict(options or {})
+    label = task if isinstance(task, str) else ""
+    if isinstance(task, str):
         try:
-            task = get_task(spec, **options)
+            task = get_task(task, **options)
         except (ValueError, TypeError) as exc:
-            raise RescoreError(f"--task {spec!r} with options {options}: {exc}") from exc
-    elif isinstance(spec, Task) or callable(getattr(spec, "reward", None)):
-        if options:
-            raise RescoreError("task_options only apply when the task is given by name")
-        task = spec
-    else:
-        return None
+            raise RescoreError(f"--task {label!r} with options {options}: {exc}") from exc
+    elif not callable(getattr(task, "reward", None)):
+        raise RescoreError(f"cannot score with {task!r}: expected a task name or a Task")
+    elif options:
+        raise RescoreError("task options only apply when the task is given by name")
     if mode not in ADVANTAGE_MODES:
         raise RescoreError(f"advantage_mode must be grpo or drgrpo, got {mode!r}")
     return Scorer(
         score=functools.partial(_task_score, task),
-        name=getattr(task, "name", "") or (spec if isinstance(spec, str) else ""),
+        name=getattr(task, "name", "") or label,
         advantage_fn=functools.partial(_advantages, group_advantages, mode),
-        spec={},
+        spec={"options": options, "advantage_mode": mode},
     )
 
 
-def resolve_row_transformer(options: Any):
+def row_transformer(options: Any):
     """The tokenizer + teacher-forced scorer of ``ingest --from`` (text rows to token rows)."""
     from trainer.rollout.text_import import TextRowTransformer
 
@@ -171,7 +156,7 @@ def resolve_model(model: str, store_path: str | Path, task: str) -> Path:
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
-    """Run ``rolloutstore generate`` from parsed arguments and print the closing summary line."""
+    """Run ``rolloutstore-train generate`` from parsed arguments and print the closing summary line."""
     from rolloutstore import RolloutStore
 
     task = _generate_task(args)

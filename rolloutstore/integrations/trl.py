@@ -45,7 +45,7 @@ import os
 from datetime import UTC, datetime
 from typing import Any
 
-from ..errors import MissingDependencyError, UsageError
+from rolloutstore.errors import MissingDependencyError, UsageError
 
 try:
     import torch
@@ -61,10 +61,10 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
         "`pip install 'rolloutstore[trl]'`"
     ) from exc
 
-from ..ids import uuid7_strings
-from ..replay import ReplayConfig, Selection, Selector
-from ..store import RolloutStore
-from ..validate_turns import turns_from_mask
+from rolloutstore.facade import RolloutStore
+from rolloutstore.replay import ReplayConfig, Selection, Selector
+from rolloutstore.schema.ids import uuid7_strings
+from rolloutstore.schema.turns import turns_from_mask
 
 __all__ = ["LOGPROBS_MODE", "STATE_FILE", "ReplayGRPOTrainer"]
 

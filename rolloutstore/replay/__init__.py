@@ -5,15 +5,15 @@
 
 from __future__ import annotations
 
-from .config import ReplayConfig
-from .selector import EmptyBufferError, Selection, Selector
+from rolloutstore.replay.config import ReplayConfig
+from rolloutstore.replay.selector import EmptyBufferError, Selection, Selector
 
 __all__ = ["EmptyBufferError", "ReplayConfig", "ReplayDataset", "Selection", "Selector"]
 
 
 def __getattr__(name: str):
     if name == "ReplayDataset":
-        from .loader import ReplayDataset
+        from rolloutstore.replay.loader import ReplayDataset
 
         return ReplayDataset
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -14,7 +14,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from .selector import Selection
+from rolloutstore.replay.selector import Selection
 
 # Rewards and advantages come from the Selection (the selector overlays re-scorings on them).
 TOKEN_COLUMNS = ["prompt_ids", "completion_ids", "behavior_logprobs", "loss_mask"]

@@ -6,6 +6,27 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+# Columns a selection may read or filter on (``where`` may use any of them): the scalar
+# ones, and of the multi-turn ones the derived counts and ``tools`` (a short list<string>
+# of tool names, for DuckDB list functions such as ``list_contains(tools, ?)``); never the
+# per-token lists or ``turns``.
+SCALAR_COLUMNS = [
+    "rollout_id", "run_id", "prompt_id", "group_id", "sample_index", "policy_version",
+    "policy_id", "tokenizer_fingerprint", "finish_reason", "temperature", "top_p", "top_k",
+    "max_tokens", "seed", "logprobs_mode", "generator", "reward", "advantage", "created_at",
+    "num_prompt_tokens", "num_completion_tokens", "task", "num_turns", "num_model_tokens",
+    "num_tool_calls", "tools",
+]  # fmt: skip
+
+# Columns a ``where`` may name: the scanned ones plus the overlaid ``reward_version``.
+WHERE_COLUMNS = [*SCALAR_COLUMNS, "reward_version"]
+
+# What selection itself reads when no `where` names other columns.
+SELECT_COLUMNS = [
+    "rollout_id", "run_id", "prompt_id", "group_id", "policy_version", "created_at", "reward",
+    "advantage", "num_prompt_tokens", "num_completion_tokens",
+]  # fmt: skip
+
 Priority = Literal["uniform", "advantage"]
 Diversity = Literal["none", "prompt", "embedding"]
 
@@ -136,7 +157,6 @@ class ReplayConfig:
 
 def _check_where(where: str, n_params: int) -> None:
     """``where`` is spliced into a WHERE clause: the one validator in ``sql`` decides."""
-    from ..sql import check_where
-    from .queries import WHERE_COLUMNS
+    from rolloutstore.query.sql import check_where
 
     check_where(where, WHERE_COLUMNS, what="ReplayConfig.where", n_params=n_params)

@@ -13,7 +13,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute  # noqa: F401  (pa.compute)
 
-from .config import ReplayConfig
+from rolloutstore.replay.config import ReplayConfig
 
 
 def _gumbel_order(logp: np.ndarray, rng: np.random.Generator) -> np.ndarray:

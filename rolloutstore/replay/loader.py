@@ -51,10 +51,10 @@ import pyarrow as pa
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from ..store import RolloutStore
-from .collate import SAMPLING_COLUMNS, TOKEN_COLUMNS, collate, micro_batches
-from .config import ReplayConfig
-from .selector import Selection, Selector
+from rolloutstore.facade import RolloutStore
+from rolloutstore.replay.collate import SAMPLING_COLUMNS, TOKEN_COLUMNS, collate, micro_batches
+from rolloutstore.replay.config import ReplayConfig
+from rolloutstore.replay.selector import Selection, Selector
 
 __all__ = ["ReplayDataset", "TokenCache", "collate", "micro_batches"]
 

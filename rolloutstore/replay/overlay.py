@@ -9,9 +9,9 @@ from collections.abc import Callable
 import lance
 import pyarrow as pa
 
-from ..errors import RewardVersionError
-from ..sql import REWARDS_NEWEST_SQL
-from ..store import RolloutStore
+from rolloutstore.errors import RewardVersionError
+from rolloutstore.facade import RolloutStore
+from rolloutstore.query.sql import REWARDS_NEWEST_SQL
 
 Sql = Callable[..., pa.Table]  # (tables, query, params) -> result, on the selector's connection
 

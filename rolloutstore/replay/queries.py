@@ -6,31 +6,7 @@ hold the window (see ``Selector``); ``uses`` holds per-rollout use counts.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # type hints only: config imports this module's column list
-    from .config import ReplayConfig
-
-# Columns a selection may read or filter on (``where`` may use any of them): the scalar
-# ones, and of the multi-turn ones the derived counts and ``tools`` (a short list<string>
-# of tool names, for DuckDB list functions such as ``list_contains(tools, ?)``); never the
-# per-token lists or ``turns``.
-SCALAR_COLUMNS = [
-    "rollout_id", "run_id", "prompt_id", "group_id", "sample_index", "policy_version",
-    "policy_id", "tokenizer_fingerprint", "finish_reason", "temperature", "top_p", "top_k",
-    "max_tokens", "seed", "logprobs_mode", "generator", "reward", "advantage", "created_at",
-    "num_prompt_tokens", "num_completion_tokens", "task", "num_turns", "num_model_tokens",
-    "num_tool_calls", "tools",
-]  # fmt: skip
-
-# Columns a ``where`` may name: the scanned ones plus the overlaid ``reward_version``.
-WHERE_COLUMNS = [*SCALAR_COLUMNS, "reward_version"]
-
-# What selection itself reads when no `where` names other columns.
-SELECT_COLUMNS = [
-    "rollout_id", "run_id", "prompt_id", "group_id", "policy_version", "created_at", "reward",
-    "advantage", "num_prompt_tokens", "num_completion_tokens",
-]  # fmt: skip
+from rolloutstore.replay.config import ReplayConfig
 
 ORDER = "policy_version DESC, created_at DESC, rollout_id DESC"
 

@@ -9,7 +9,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute  # noqa: F401  (pa.compute)
 
-from .draw import floats
+from rolloutstore.replay.draw import floats
 
 
 @dataclass(frozen=True)

@@ -46,23 +46,17 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute  # noqa: F401  (pa.compute)
 
-from ..errors import EmptyBufferError, RewardVersionError, ShortBatchWarning
-from ..rescore import apply_rewards
-from ..schema_compat import present, read_columns
-from ..sql import connect, run
-from ..store import RolloutStore
-from .config import ReplayConfig
-from .draw import codes, draw, fresh_mask
-from .overlay import RewardOverlay
-from .queries import (
-    SCALAR_COLUMNS,
-    SELECT_COLUMNS,
-    USES_FILTER_SQL,
-    lance_filter,
-    window_sql,
-)
-from .selection import Selection, selection_of
-from .uses import UseCounts
+from rolloutstore.errors import EmptyBufferError, RewardVersionError, ShortBatchWarning
+from rolloutstore.facade import RolloutStore
+from rolloutstore.query.sql import connect, run
+from rolloutstore.replay.config import SCALAR_COLUMNS, SELECT_COLUMNS, ReplayConfig
+from rolloutstore.replay.draw import codes, draw, fresh_mask
+from rolloutstore.replay.overlay import RewardOverlay
+from rolloutstore.replay.queries import USES_FILTER_SQL, lance_filter, window_sql
+from rolloutstore.replay.selection import Selection, selection_of
+from rolloutstore.replay.uses import UseCounts
+from rolloutstore.retention.rescore import apply_rewards
+from rolloutstore.schema.compat import present, read_columns
 
 __all__ = ["EmptyBufferError", "RewardVersionError", "Selection", "Selector", "ShortBatchWarning"]
 

@@ -10,7 +10,7 @@ from helpers import make_rows
 
 from rolloutstore import IngestError, RolloutStore
 from rolloutstore.cli import main
-from rolloutstore.ingest import ingest_file
+from rolloutstore.io.ingest import ingest_file
 
 
 def _jsonl(rows) -> str:

@@ -17,10 +17,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rolloutstore import RolloutStore
-from rolloutstore import export as export_mod
 from rolloutstore.cli import main
 from rolloutstore.errors import QueryError, RolloutStoreError
-from rolloutstore.export import (
+from rolloutstore.io import export as export_mod
+from rolloutstore.io.export import (
     DPO_COLUMNS,
     SFT_COLUMNS,
     ExportError,
@@ -28,7 +28,7 @@ from rolloutstore.export import (
     MissingDependencyError,
     check_where,
 )
-from rolloutstore.ingest import ingest_file
+from rolloutstore.io.ingest import ingest_file
 
 EMB = 4
 SUFFIX = {"parquet": "parquet", "jsonl": "jsonl", "jsonl.zst": "jsonl.zst"}

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from rolloutstore import RolloutStore
 from rolloutstore.errors import RolloutStoreError
-from rolloutstore.ingest import ingest_file
+from rolloutstore.io.ingest import ingest_file
 
 # FUZZ_EXAMPLES=2000 for a deeper run; the default keeps the suite to a few seconds.
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "100"))

@@ -7,9 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from rolloutstore.plugins import COMMANDS, SCORERS, entry_points
+
 import rolloutstore
 from rolloutstore import errors
-from rolloutstore.plugins import COMMANDS, SCORERS, entry_points
 
 PACKAGE = Path(rolloutstore.__file__).parent
 
@@ -57,9 +58,9 @@ def test_importing_the_cli_does_not_import_the_trainer():
 
 
 def test_errors_live_in_errors_and_are_re_exported():
-    from rolloutstore.export import ExportError, MissingDependencyError
+    from rolloutstore.io.export import ExportError, MissingDependencyError
     from rolloutstore.replay.selector import EmptyBufferError, RewardVersionError
-    from rolloutstore.rescore import RescoreError
+    from rolloutstore.retention.rescore import RescoreError
 
     assert (
         ExportError is errors.ExportError

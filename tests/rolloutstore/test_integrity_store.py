@@ -25,8 +25,7 @@ from hypothesis import strategies as st
 from lance.dataset import DatasetOptimizer
 from lance.fragment import write_fragments
 
-from rolloutstore import ReplayConfig, ReplayDataset, RolloutStore, unique
-from rolloutstore import store as store_mod
+from rolloutstore import ReplayConfig, ReplayDataset, RolloutStore
 from rolloutstore.cli import main
 from rolloutstore.errors import (
     DiskFullError,
@@ -36,10 +35,12 @@ from rolloutstore.errors import (
     RolloutStoreError,
     ValidationError,
 )
-from rolloutstore.ingest import ingest_file
+from rolloutstore.io.ingest import ingest_file
 from rolloutstore.replay.loader import collate
 from rolloutstore.replay.selector import Selection
-from rolloutstore.validate import prepare
+from rolloutstore.schema.validate import prepare
+from rolloutstore.store import log as store_mod
+from rolloutstore.store import unique
 
 
 def _jsonl(rows) -> str:
@@ -559,7 +560,7 @@ def test_collate_handles_any_lengths_including_zero(lengths, pack):
 def test_gc_after_real_sigkilled_appenders_leaves_exactly_the_referenced_files(tmp_path):
     from pathlib import Path
 
-    from rolloutstore.gc import referenced_files
+    from rolloutstore.store.gc import referenced_files
 
     worker = Path(__file__).parents[1] / "append_worker.py"
     root = worker.parents[1]

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
 from rolloutstore import ReplayConfig, ReplayDataset, RolloutStore
-from rolloutstore.proxy import proxy_batches
+from rolloutstore.io.proxy import proxy_batches
 from rolloutstore.replay.loader import micro_batches
 
 

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 from rolloutstore import RolloutStore
-from rolloutstore import rescore as rescore_mod
 from rolloutstore.cli import main
 from rolloutstore.errors import QueryError, RolloutStoreError
 from rolloutstore.replay import ReplayConfig, ReplayDataset, Selector
 from rolloutstore.replay.selector import RewardVersionError
+from rolloutstore.retention import rescore as rescore_mod
 from trainer.algo.advantage import group_advantages
 from trainer.tasks import ArithTask, RewardResult, get_task
 
@@ -253,7 +253,7 @@ class NothingCorrect(ArithTask):
 
 
 def test_diversity_eviction_judges_correct_answers_by_the_newest_rewards(store):
-    from rolloutstore.retention import RetentionConfig
+    from rolloutstore.retention.policy import RetentionConfig
 
     cfg = RetentionConfig(correct_threshold=0.5)
     q = "SELECT count(DISTINCT prompt_id) AS n FROM rollouts WHERE reward > 0.5"

@@ -7,7 +7,7 @@ import pytest
 
 from rolloutstore import RolloutStore
 from rolloutstore.cli import main
-from rolloutstore.retention import RetentionConfig, plan_retention, read_rows
+from rolloutstore.retention.policy import RetentionConfig, plan_retention, read_rows
 
 DIM = 8
 VERSIONS, PER_VERSION, KEEP = 5, 120, 200

@@ -18,7 +18,7 @@ import torch
 
 from rolloutstore import ReplayConfig, ReplayDataset, RolloutStore
 from rolloutstore.errors import StoreNotFoundError, ValidationError
-from rolloutstore.proxy import proxy_batches
+from rolloutstore.io.proxy import proxy_batches
 from rolloutstore.replay.selector import Selector
 
 ROOT = Path(__file__).parents[2]

@@ -15,10 +15,11 @@ from pathlib import Path
 import pytest
 from helpers import make_rows
 
-from rolloutstore import ReplayConfig, ReplayDataset, RolloutStore, Selector, layout
-from rolloutstore import migrate as M
+from rolloutstore import ReplayConfig, ReplayDataset, RolloutStore, Selector
 from rolloutstore.cli import main
 from rolloutstore.errors import ValidationError
+from rolloutstore.store import layout
+from rolloutstore.store import migrate as M
 
 ROOT = Path(__file__).resolve().parents[2]
 V2_ONLY = ["loss_mask", "turns", "num_turns", "num_model_tokens", "num_tool_calls", "tools"]

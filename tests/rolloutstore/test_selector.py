@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rolloutstore import EmptyBufferError, ReplayConfig, RolloutStore, Selector
-from rolloutstore.proxy import proxy_batches
+from rolloutstore.io.proxy import proxy_batches
 
 
 def _fill(store: RolloutStore, versions, per_version: int = 64, group_size: int = 8, dim=None):

@@ -19,9 +19,9 @@ from rolloutstore import (
     SchemaVersionError,
     StoreNotFoundError,
 )
-from rolloutstore import schema as S
-from rolloutstore.ids import prompt_id_of
-from rolloutstore.proxy import proxy_batches, proxy_table
+from rolloutstore.io.proxy import proxy_batches, proxy_table
+from rolloutstore.schema import spec as S
+from rolloutstore.schema.ids import prompt_id_of
 
 DESIGN_COLUMNS = [
     "rollout_id",
@@ -259,7 +259,7 @@ def test_compression_beats_parquet_zstd(tmp_path):
 
 
 def test_usage_log_stays_compact_and_keeps_every_row(store):
-    from rolloutstore.store import USAGE_MAX_FRAGMENTS
+    from rolloutstore.store.log import USAGE_MAX_FRAGMENTS
 
     store.append(make_rows(3))
     ids = store.sql("SELECT rollout_id FROM rollouts")["rollout_id"].to_pylist()

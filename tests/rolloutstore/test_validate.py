@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rolloutstore import RolloutStore, SchemaError, ValidationError
-from rolloutstore.validate import prepare
+from rolloutstore.schema.validate import prepare
 
 
 def _corrupt(row: dict, kind: str, value) -> str:

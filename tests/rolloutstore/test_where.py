@@ -15,8 +15,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rolloutstore import QueryError, ReplayConfig, RolloutStore, Selector
-from rolloutstore.replay.queries import WHERE_COLUMNS, window_sql
-from rolloutstore.sql import _parse, check_where
+from rolloutstore.query.sql import _parse, check_where
+from rolloutstore.replay.config import WHERE_COLUMNS
+from rolloutstore.replay.queries import window_sql
 
 HOSTILE = [
     "true) OR (true",

@@ -13,8 +13,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rolloutstore import ReplayConfig, ReplayDataset, RolloutStore, layout
+from rolloutstore import ReplayConfig, ReplayDataset, RolloutStore
 from rolloutstore.cli import main
+from rolloutstore.store import layout
 from trainer.algo.learner import Learner
 from trainer.algo.loss_config import LossConfig
 from trainer.algo.optim import OptimConfig

@@ -14,7 +14,7 @@ import torch
 
 import trainer.rollout.weights as C
 from rolloutstore import RolloutStore
-from rolloutstore.ids import deterministic_uuid7
+from rolloutstore.schema.ids import deterministic_uuid7
 from trainer.config import ConfigError, TrainConfig
 from trainer.models.load import load_model
 from trainer.models.tiny import make_tiny_model

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from rolloutstore.cliargs import help_field as _h
+from rolloutstore.options import help_field as _h
 from trainer.errors import ConfigError
 
 # The attention and MLP projections of Qwen2/Qwen3/Llama/Mistral-style decoders.

@@ -37,7 +37,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from rolloutstore.ids import deterministic_uuid7
+from rolloutstore.schema.ids import deterministic_uuid7
 from trainer.algo.advantage import group_advantages
 from trainer.rollout.embed import HashingEmbedder
 from trainer.rollout.multiturn import generate_for_task

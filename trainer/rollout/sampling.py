@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-from rolloutstore.cliargs import help_field as _h
+from rolloutstore.options import help_field as _h
 from trainer.errors import ConfigError
 
 # What behavior_logprobs hold for rows our generators sample: the log-prob of each token under

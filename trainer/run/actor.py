@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from rolloutstore import RolloutStore
-from rolloutstore.ids import deterministic_uuid7
+from rolloutstore.schema.ids import deterministic_uuid7
 from trainer.config import (
     STORE_ENV,
     WEIGHTS_ENV,

@@ -1,0 +1,300 @@
+"""The shapes an export writes (``as_``): ``rollouts`` as stored, and SFT / DPO data in TRL's
+dataset column names. Owns the column mappings, the checks of ``columns``, the output Arrow
+schema, the DuckDB query that shapes the rows, and conversational (chat-turn) columns.
+:mod:`rolloutstore.export` streams the query's result to files."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+import duckdb
+import pyarrow as pa
+
+from rolloutstore.errors import ExportError, QueryError
+from rolloutstore.query.limits import limits
+
+if TYPE_CHECKING:
+    from rolloutstore.store.log import RolloutLog
+
+# "messages" (conversations in the OpenAI / TRL format) is built by export_messages.py.
+ExportShape = Literal["rollouts", "sft", "dpo", "messages"]
+
+# Output columns in TRL's dataset names (trl docs, "Dataset formats and types": prompt-completion
+# {"prompt", "completion"}, preference {"prompt", "chosen", "rejected"}, conversational
+# language modeling {"messages"}); the rest are extra columns TRL's trainers drop.
+# SFT output column -> store column.
+SFT_COLUMNS: dict[str, str] = {
+    "prompt": "prompt_text",
+    "completion": "completion_text",
+    "prompt_ids": "prompt_ids",
+    "completion_ids": "completion_ids",
+    "reward": "reward",
+    "prompt_id": "prompt_id",
+    "rollout_id": "rollout_id",
+}
+# DPO output column -> (alias, store column): alias "c" is the chosen row, "j" the rejected one.
+DPO_COLUMNS: dict[str, tuple[str, str]] = {
+    "prompt": ("c", "prompt_text"),
+    "chosen": ("c", "completion_text"),
+    "rejected": ("j", "completion_text"),
+    "prompt_id": ("c", "prompt_id"),
+    "group_id": ("c", "group_id"),
+    "prompt_ids": ("c", "prompt_ids"),
+    "chosen_ids": ("c", "completion_ids"),
+    "chosen_reward": ("c", "reward"),
+    "rejected_ids": ("j", "completion_ids"),
+    "rejected_reward": ("j", "reward"),
+}
+# Conversational rows (their metadata JSON holds the prompt turns under "messages", as
+# `ingest --from trl|openai` writes for chat prompts): these columns become lists of
+# {"role", "content"} turns, and sft adds "messages" (prompt turns + the completion).
+MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string())])
+CHAT_COLUMNS = ("prompt", "completion", "chosen", "rejected", "messages")
+TURNS = "__turns"  # the query's extra column: metadata's "messages" as JSON text
+# ... and a multi-turn trajectory's own messages (metadata's "completion_messages", as
+# `ingest --from openai` keeps them), per completion column.
+DONE = {"completion": "__done", "chosen": "__done_c", "rejected": "__done_j"}
+_DONE_SQL = "json_extract({t}.metadata, '$.completion_messages')::VARCHAR AS {col}"
+
+
+def quote(name: str) -> str:
+    # Only ever called with names from the store schema or our fixed output columns.
+    return '"' + name.replace('"', '""') + '"'
+
+
+def check_columns(columns: Sequence[str] | None, allowed: Sequence[str], shape: str) -> list[str]:
+    if columns is None:
+        return list(allowed)
+    cols = [c.strip() for c in columns if c.strip()]
+    if not cols:
+        raise ExportError("--columns is empty; expected a comma-separated list of column names")
+    unknown = [c for c in cols if c not in allowed]
+    if unknown:
+        raise ExportError(
+            f"unknown column(s) {', '.join(map(repr, unknown))} for --as {shape}; "
+            f"expected some of: {', '.join(allowed)}"
+        )
+    if len(set(cols)) != len(cols):
+        raise ExportError(f"--columns names a column twice: {', '.join(cols)}")
+    return cols
+
+
+def output_schema(
+    store_schema: pa.Schema, shape: ExportShape, cols: list[str], chat: bool = False
+) -> pa.Schema:
+    if chat:
+        fields = [
+            pa.field(c, pa.list_(MESSAGE))
+            if c in CHAT_COLUMNS
+            else output_schema(store_schema, shape, [c]).field(c)
+            for c in cols
+        ]
+    elif shape == "dpo":
+        fields = [
+            store_schema.field(DPO_COLUMNS[c][1]).with_name(c).with_nullable(True) for c in cols
+        ]
+    elif shape == "sft":
+        fields = [store_schema.field(SFT_COLUMNS[c]).with_name(c) for c in cols]
+    else:
+        fields = [store_schema.field(c) for c in cols]
+    meta = {k: v for k, v in (store_schema.metadata or {}).items()}
+    meta[b"rolloutstore.export"] = shape.encode()
+    return pa.schema(fields, metadata=meta)
+
+
+def build_query(
+    shape: ExportShape,
+    cols: list[str],
+    where: str | None,
+    min_reward: float | None,
+    chat: bool = False,
+) -> tuple[str, str]:
+    """(query, count_query); both take the where's params first, then the shape's."""
+    filt = f"WHERE ({where})" if where is not None else ""
+    base = f"SELECT * FROM rollouts {filt}"
+    if shape == "rollouts":
+        select = ", ".join(quote(c) for c in cols)
+        return (
+            f"SELECT {select} FROM rollouts {filt}",
+            f"SELECT count(*) FROM rollouts {filt}",
+        )
+    turns = f", json_extract(r.metadata, '$.messages')::VARCHAR AS {TURNS}" if chat else ""
+    if shape == "sft":
+        turns += ", " + _DONE_SQL.format(t="r", col=DONE["completion"]) if chat else ""
+        select = ", ".join(
+            f"r.{quote(SFT_COLUMNS[c])} AS {quote(c)}" for c in cols if c != "messages"
+        )
+        if chat and "messages" in cols and "completion" not in cols:
+            select += (", " if select else "") + 'r."completion_text" AS "completion"'
+        select += turns
+        if min_reward is None:
+            body = (
+                f"WITH r AS ({base}), "
+                "best AS (SELECT prompt_id, max(reward) AS top FROM r "
+                "WHERE reward IS NOT NULL GROUP BY prompt_id) "
+                f"SELECT {select} FROM r JOIN best ON r.prompt_id = best.prompt_id "
+                "AND r.reward = best.top"
+            )
+        else:
+            body = f"WITH r AS ({base}) SELECT {select} FROM r WHERE r.reward >= ?"
+        return body + " ORDER BY r.prompt_id, r.rollout_id", f"SELECT count(*) FROM ({body})"
+    select = ", ".join(
+        f"{side}.{quote(src)} AS {quote(name)}"
+        for name, (side, src) in DPO_COLUMNS.items()
+        if name in cols
+    ) + turns.replace("r.metadata", "c.metadata")
+    if chat:
+        select += "".join(
+            ", " + _DONE_SQL.format(t=t, col=DONE[side])
+            for side, t in (("chosen", "c"), ("rejected", "j"))
+        )
+    body = (
+        f"WITH r AS ({base}), "
+        "k AS (SELECT group_id, rollout_id, reward, "
+        "row_number() OVER (PARTITION BY group_id ORDER BY reward DESC, rollout_id) AS hi, "
+        "row_number() OVER (PARTITION BY group_id ORDER BY reward ASC, rollout_id) AS lo, "
+        "count(*) OVER (PARTITION BY group_id) AS n "
+        "FROM r WHERE reward IS NOT NULL), "
+        "p AS (SELECT ch.group_id, ch.rollout_id AS chosen, rj.rollout_id AS rejected "
+        "FROM k AS ch JOIN k AS rj ON ch.group_id = rj.group_id "
+        "WHERE ch.hi = 1 AND rj.lo = 1 AND ch.n >= 2 "
+        "AND ch.reward::DOUBLE - rj.reward::DOUBLE >= ?) "
+        f"SELECT {select} FROM p JOIN r AS c ON c.rollout_id = p.chosen "
+        "JOIN r AS j ON j.rollout_id = p.rejected"
+    )
+    return body + " ORDER BY p.group_id", f"SELECT count(*) FROM ({body})"
+
+
+def all_chat(store: RolloutLog, where: str | None, params, timeout: float | None) -> bool:
+    """Whether every (filtered) row is conversational: its metadata holds prompt turns."""
+    filt = f"WHERE ({where})" if where is not None else ""
+    n, chat = _first_row(
+        store,
+        "SELECT count(*), count(*) FILTER "
+        f"(WHERE json_type(metadata, '$.messages') = 'ARRAY') FROM rollouts {filt}",
+        params,
+        timeout,
+    )
+    return n > 0 and n == chat
+
+
+def _first_row(store: RolloutLog, sql: str, params, timeout: float | None) -> tuple:
+    """The first row of a check query on the sandboxed connection (QueryError on failure)."""
+    con = store.connect()
+    try:
+        with limits(con, timeout):
+            return con.sql(sql, params=list(params or []) or None).fetchall()[0]
+    except duckdb.Error as exc:
+        raise QueryError(f"export query failed: {type(exc).__name__}: {exc}") from exc
+    finally:
+        con.close()
+
+
+def _turns(text: str | None) -> list[dict[str, Any]] | None:
+    if text is None:
+        return None
+    return [{"role": m.get("role"), "content": m.get("content")} for m in json.loads(text)]
+
+
+def chat_batch(b: pa.RecordBatch, schema: pa.Schema, shape: ExportShape) -> pa.RecordBatch:
+    """Text columns as turns: prompt = the stored turns, a completion = its trajectory's
+    messages when the row keeps them, else one assistant turn."""
+    rows = b.to_pylist()
+    out: dict[str, list] = {name: [] for name in schema.names}
+    for r in rows:
+        turns = _turns(r.pop(TURNS))
+        done = {side: _turns(r.pop(col, None)) for side, col in DONE.items()}
+        for name in schema.names:
+            if name == "prompt":
+                out[name].append(turns)
+            elif name in DONE:
+                out[name].append(done[name] or [{"role": "assistant", "content": r[name]}])
+            elif name == "messages":
+                own = done["completion"] or [{"role": "assistant", "content": r["completion"]}]
+                out[name].append([*turns, *own])
+            else:
+                out[name].append(r[name])
+    return pa.RecordBatch.from_pydict(out, schema=schema)
+
+
+def refuse_trajectories(
+    store: RolloutLog, shape: ExportShape, chat: bool, where: str | None, params, timeout
+) -> None:
+    """SFT / DPO text holds a completion as one assistant message: a multi-turn trajectory
+    fits only when its own messages are kept (chat rows ingested with them); any other is
+    refused, naming one, rather than exported with its tool tokens as the model's."""
+    filt = f"AND ({where})" if where is not None else ""
+    kept = "json_type(metadata, '$.completion_messages') = 'ARRAY'" if chat else "false"
+    n, rid = _first_row(
+        store,
+        f"SELECT count(*), min(rollout_id) FROM rollouts WHERE num_turns > 1 "
+        f"AND NOT ({kept}) {filt}",
+        params,
+        timeout,
+    )
+    if n:
+        raise ExportError(
+            f"--as {shape}: {n} selected row(s) are multi-turn trajectories whose turns have no "
+            f"messages of their own (e.g. rollout {rid}); as one {shape} completion their tool "
+            "tokens would count as the model's. Use --as messages (one message per turn) or "
+            "--as rollouts (keeps loss_mask), or leave them out with --where 'num_turns = 1'"
+        )
+
+
+@dataclass(frozen=True)
+class ShapedQuery:
+    """The rows of one export: the query (and its row count), its arguments (the where's
+    params, then the shape's threshold), the output schema, whether rows are chat turns,
+    and a transform of each query batch into output rows (None: the query's rows as is)."""
+
+    shape: ExportShape
+    query: str
+    count_query: str
+    args: list[Any]
+    schema: pa.Schema
+    chat: bool
+    transform: Callable[[pa.RecordBatch], pa.RecordBatch] | None = None
+
+
+def shape_query(
+    store: RolloutLog,
+    as_: ExportShape,
+    columns: Sequence[str] | None,
+    where: str | None,
+    params: Sequence[Any] | None,
+    min_reward: float | None,
+    min_margin: float | None,
+    timeout: float | None,
+) -> ShapedQuery:
+    """The query and output schema of shape ``as_`` over the rows ``where`` keeps (checked
+    already); ``columns`` are checked against the shape's (``messages`` needs chat rows)."""
+    allowed = {
+        "rollouts": store.schema.names,
+        "sft": [*SFT_COLUMNS, "messages"],
+        "dpo": list(DPO_COLUMNS),
+    }
+    cols = check_columns(columns, allowed[as_], as_)
+    chat = as_ != "rollouts" and all_chat(store, where, params, timeout)
+    if as_ in ("sft", "dpo"):
+        refuse_trajectories(store, as_, chat, where, params, timeout)
+    if as_ == "sft" and columns is None:  # messages only for conversational rows
+        cols.remove("messages")
+        if chat:
+            cols.insert(2, "messages")
+    if "messages" in cols and not chat:
+        raise ExportError(
+            "--columns messages needs conversational rows (metadata with the prompt's "
+            '"messages", as `ingest --from trl|openai` writes for chat prompts); found rows '
+            "without them"
+        )
+    schema = output_schema(store.schema, as_, cols, chat)
+    query, count_query = build_query(as_, cols, where, min_reward, chat)
+    args = list(params or [])
+    if as_ == "sft" and min_reward is not None:
+        args.append(min_reward)
+    elif as_ == "dpo":
+        args.append(min_margin)
+    return ShapedQuery(as_, query, count_query, args, schema, chat)
