@@ -1,4 +1,4 @@
-"""rolloutstore never imports the trainer; the trainer plugs its commands in through entry points."""
+"""rolloutstore never imports the trainer; commands that need a model are rolloutstore-train's."""
 
 from __future__ import annotations
 
@@ -6,8 +6,6 @@ import ast
 import subprocess
 import sys
 from pathlib import Path
-
-from rolloutstore.plugins import COMMANDS, SCORERS, entry_points
 
 import rolloutstore
 from rolloutstore import errors
@@ -37,22 +35,25 @@ def test_no_rolloutstore_module_imports_trainer():
     assert {k: v for k, v in bad.items() if v} == {}
 
 
-def test_trainer_commands_and_scorers_are_entry_points():
-    assert [ep.value for ep in entry_points(COMMANDS)] == [
-        "trainer.store_commands:register_commands"
-    ]
-    assert [ep.value for ep in entry_points(SCORERS)] == ["trainer.store_commands:resolve_scorer"]
-
-
-def test_plugin_commands_run_from_the_cli():
-    for cmd in ("generate", "rescore"):
-        p = subprocess.run([sys.executable, "-m", "rolloutstore", cmd, "--help"],
+def test_model_commands_are_the_trainers_and_the_store_cli_says_where_they_moved():
+    for cmd in ("generate", "rescore", "ingest"):
+        p = subprocess.run([sys.executable, "-m", "trainer", cmd, "--help"],
                            capture_output=True, text=True, timeout=120)  # fmt: skip
-        assert p.returncode == 0 and f"usage: rolloutstore {cmd}" in p.stdout, p.stderr
+        assert p.returncode == 0 and f"usage: rolloutstore-train {cmd}" in p.stdout, p.stderr
+    for cmd in ("generate", "rescore"):
+        p = subprocess.run([sys.executable, "-m", "rolloutstore", cmd, "S", "--model", "tiny"],
+                           capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert p.returncode == 2, p.stderr
+        assert p.stderr.count("\n") == 1 and f"rolloutstore-train {cmd}" in p.stderr
+
+
+def test_pyproject_declares_no_plugin_entry_points():
+    text = (PACKAGE.parent / "pyproject.toml").read_text()
+    assert "entry-points" not in text and not (PACKAGE / "plugins.py").exists()
 
 
 def test_importing_the_cli_does_not_import_the_trainer():
-    code = "import sys, rolloutstore.cli, rolloutstore.rescore; print(any(m.split('.')[0] == 'trainer' for m in sys.modules))"
+    code = "import sys, rolloutstore.cli, rolloutstore.retention.rescore; print(any(m.split('.')[0] == 'trainer' for m in sys.modules))"
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.stdout.strip() == "False", p.stderr
 

@@ -16,11 +16,12 @@ import pytest
 import torch
 
 from rolloutstore import ReplayConfig, ReplayDataset, RolloutStore
-from rolloutstore.cli import main
+from rolloutstore.cli import main as store_main
 from trainer.algo.advantage import group_advantages
 from trainer.algo.learner import Learner
 from trainer.algo.loss_config import LossConfig
 from trainer.algo.optim import OptimConfig
+from trainer.cli import main
 from trainer.models.load import load_model
 from trainer.models.tiny import make_tiny_model
 from trainer.rollout.hf import teacher_forced_logprobs
@@ -95,7 +96,7 @@ def test_ingest_text_rollouts_then_replay(tmp_path, model_dir, source, capsys):
     if source == "openai":  # the system turn is part of the prompt; turns kept for export
         assert any(r["prompt_text"].startswith("<|system|>\nYou are good") for r in rows)
         out = tmp_path / "sft.jsonl"
-        assert main(["export", str(uri), str(out), "--as", "sft", "-q"]) == 0
+        assert store_main(["export", str(uri), str(out), "--as", "sft", "-q"]) == 0
         sft = [json.loads(line) for line in out.read_text().splitlines()]
         assert {m["messages"][-1]["content"] for m in sft} == {"4+4=8", "9-3=6"}
         assert sft[0]["prompt"][-1]["role"] == "user"
@@ -163,3 +164,8 @@ def test_text_import_needs_score_with(tmp_path, capsys):
     rc = main(["ingest", str(tmp_path / "s"), str(FILES["verl"]), "--chat-template"])
     assert rc == 2
     assert "only apply with --from" in capsys.readouterr().err
+    # The store's own CLI has no model: it names the command that has one.
+    rc = store_main(["ingest", str(tmp_path / "s"), str(FILES["verl"]), "--from", "verl", "-q",
+                     "--score-with", "M"])  # fmt: skip
+    assert rc == 2 and "rolloutstore-train ingest" in capsys.readouterr().err
+    assert not (tmp_path / "s").exists()

@@ -14,11 +14,12 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rolloutstore import ReplayConfig, ReplayDataset, RolloutStore
-from rolloutstore.cli import main
+from rolloutstore.cli import main as store_main
 from rolloutstore.store import layout
 from trainer.algo.learner import Learner
 from trainer.algo.loss_config import LossConfig
 from trainer.algo.optim import OptimConfig
+from trainer.cli import main
 from trainer.models.load import load_model
 from trainer.models.tiny import make_tiny_model
 from trainer.rollout.hf import teacher_forced_logprobs
@@ -100,7 +101,7 @@ def test_logprobs_recomputed_on_model_tokens_only(store, model_dir):
 
 def test_export_as_messages_gives_the_chats_back(store, tmp_path):
     out = tmp_path / "chats.jsonl"
-    assert main(["export", store.uri, str(out), "--as", "messages", "-q"]) == 0
+    assert store_main(["export", store.uri, str(out), "--as", "messages", "-q"]) == 0
     got = sorted(json.dumps(json.loads(line)["messages"]) for line in out.read_text().splitlines())
     chats = [json.loads(line) for line in CHATS.read_text().splitlines()]
     strip = [[{"role": m["role"], "content": m["content"]} for m in c["messages"]] for c in chats]
@@ -145,6 +146,6 @@ def test_a_v1_store_refuses_trajectories_naming_migrate(tmp_path, model_dir, cap
     assert _ingest(uri, model_dir) == 2
     err = capsys.readouterr().err
     assert f"rolloutstore migrate {uri}" in err and f"{CHATS}:1" in err
-    assert main(["migrate", str(uri)]) == 0
+    assert store_main(["migrate", str(uri)]) == 0
     assert _ingest(uri, model_dir) == 0
     assert RolloutStore.open(uri).count() == 4

@@ -20,7 +20,7 @@ import pytest
 from helpers import run_draws, trainer_cli
 
 from rolloutstore import RolloutStore
-from rolloutstore.cli import main as rolloutstore_main
+from trainer.cli import main as train_main
 
 STEPS, CAP = 4, 16384
 
@@ -96,7 +96,7 @@ def long_source(tmp_path_factory):
     _chats(tmp / "chats.jsonl", 4, 10, rng)
     _prompts(tmp / "prompts.jsonl", rng)
     args = ["ingest", str(tmp / "source"), str(tmp / "chats.jsonl"), "--from", "openai", "-q"]
-    assert rolloutstore_main([*args, "--score-with", str(model)]) == 0
+    assert train_main([*args, "--score-with", str(model)]) == 0
     return tmp, model
 
 

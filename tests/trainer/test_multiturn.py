@@ -500,7 +500,7 @@ def test_pipeline_appends_multiturn_rows(tmp_path, hf) -> None:
 
 
 def test_cli_generate_with_tools_writes_trajectories(tmp_path, tool_model, capsys) -> None:
-    from rolloutstore.cli import main
+    from trainer.cli import main
 
     store_dir = tmp_path / "store"
     base = ["generate", str(store_dir), "--model", str(tool_model), "--task", "arith",

@@ -1,4 +1,5 @@
-"""Re-scoring: new rewards/advantages under a new reward_version, token columns untouched."""
+"""Re-scoring by a task's verifier (``task_scorer``, ``rolloutstore-train rescore``): new
+rewards/advantages under a new reward_version, token columns untouched."""
 
 from __future__ import annotations
 
@@ -10,12 +11,13 @@ import numpy as np
 import pytest
 
 from rolloutstore import RolloutStore
-from rolloutstore.cli import main
 from rolloutstore.errors import QueryError, RolloutStoreError
 from rolloutstore.replay import ReplayConfig, ReplayDataset, Selector
 from rolloutstore.replay.selector import RewardVersionError
 from rolloutstore.retention import rescore as rescore_mod
 from trainer.algo.advantage import group_advantages
+from trainer.cli import main
+from trainer.store_commands import task_scorer
 from trainer.tasks import ArithTask, RewardResult, get_task
 
 COMPLETIONS = ("{a}", "{w}", "no idea", "<answer>{a}</answer>")
@@ -101,7 +103,7 @@ def test_rescore_writes_a_new_version_and_never_touches_rollouts(store, tmp_path
     before_files, before_version = _digest(rollouts_dir), store.version
     orig = store.sql("SELECT rollout_id, group_id, reward FROM rollouts ORDER BY rollout_id")
 
-    r1 = store.rescore(FlippedArith(), note="flip")
+    r1 = store.rescore(task_scorer(FlippedArith()), note="flip")
     assert (r1.rows, r1.groups, r1.reward_version) == (56, 14, 1)
     assert store.version == before_version and _digest(rollouts_dir) == before_files
 
@@ -124,7 +126,7 @@ def test_rescore_writes_a_new_version_and_never_touches_rollouts(store, tmp_path
         orig.select(["reward"])
     )
 
-    r2 = store.rescore("arith")
+    r2 = store.rescore(task_scorer("arith"))
     assert r2.reward_version == 2 and _digest(rollouts_dir) == before_files
     now = store.sql("SELECT rollout_id, reward, reward_version FROM rollouts_scored")
     assert set(now["reward_version"].to_pylist()) == {2}
@@ -136,7 +138,7 @@ def test_rescore_writes_a_new_version_and_never_touches_rollouts(store, tmp_path
 
 def test_selector_and_loader_read_the_chosen_reward_version(store):
     orig = _by_id(store.sql("SELECT rollout_id, reward FROM rollouts"), "reward")
-    store.rescore(FlippedArith())
+    store.rescore(task_scorer(FlippedArith()))
     n = store.count()
 
     sel = Selector(store, ReplayConfig(seed=1), record_usage=False).sample(n, 1)
@@ -172,29 +174,33 @@ def test_selector_and_loader_read_the_chosen_reward_version(store):
 
 def test_where_picks_whole_groups(store):
     r = store.rescore(
-        FlippedArith(), where="policy_version = ? AND sample_index = ?", params=[1, 2]
+        task_scorer(FlippedArith()), where="policy_version = ? AND sample_index = ?", params=[1, 2]
     )
     assert (r.rows, r.groups) == (24, 6)
     t = store.sql("SELECT policy_version, reward_version FROM rollouts_scored")
     pairs = set(zip(t["policy_version"].to_pylist(), t["reward_version"].to_pylist()))
     assert pairs == {(0, 0), (1, 1)}
     # The filter reads the current (re-scored) reward.
-    again = store.rescore("arith", where="reward_version = ? AND reward > ?", params=[1, 0.5])
+    again = store.rescore(
+        task_scorer("arith"), where="reward_version = ? AND reward > ?", params=[1, 0.5]
+    )
     assert again.rows == 24 and again.reward_version == 2
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "error", "match"),
+    ("task", "options", "kwargs", "error", "match"),
     [
-        ({"task": "nosuch"}, rescore_mod.RescoreError, "unknown task 'nosuch'"),
-        ({"task": "arith", "task_options": {"bogus": 1}}, rescore_mod.RescoreError, "bogus"),
-        ({"task": "arith", "where": "reward > 0; DROP TABLE x"}, QueryError, "';'"),
-        ({"task": "arith", "where": "no_such_column > ?", "params": [1]}, RolloutStoreError, "no_such_column"),
+        ("nosuch", {}, {}, rescore_mod.RescoreError, "unknown task 'nosuch'"),
+        ("arith", {"bogus": 1}, {}, rescore_mod.RescoreError, "bogus"),
+        ("arith", {}, {"where": "reward > 0; DROP TABLE x"}, QueryError, "';'"),
+        ("arith", {}, {"where": "no_such_column > ?", "params": [1]}, RolloutStoreError, "no_such_column"),
     ],
 )  # fmt: skip
-def test_bad_input_is_refused_and_writes_nothing(store, tmp_path, kwargs, error, match):
+def test_bad_input_is_refused_and_writes_nothing(
+    store, tmp_path, task, options, kwargs, error, match
+):
     with pytest.raises(error, match=match):
-        store.rescore(**kwargs)
+        store.rescore(task_scorer(task, options), **kwargs)
     assert not (tmp_path / "s" / "rewards.lance").exists()
     assert store.sql("SELECT count(*) AS n FROM rewards")["n"][0].as_py() == 0
 
@@ -205,24 +211,31 @@ def test_row_without_answer_is_named_and_nothing_is_written(store, tmp_path):
         r["metadata"] = None
     store.append(bad)
     with pytest.raises(rescore_mod.RescoreError, match="no 'answer'"):
-        store.rescore("arith")
+        store.rescore(task_scorer("arith"))
     assert store.sql("SELECT count(*) AS n FROM rewards")["n"][0].as_py() == 0
 
 
+def test_a_task_needs_task_scorer(store, tmp_path):
+    for task in ("arith", FlippedArith()):
+        with pytest.raises(rescore_mod.RescoreError, match="task_scorer"):
+            store.rescore(task)
+    assert not (tmp_path / "s" / "rewards.lance").exists()
+
+
 def test_crash_mid_rescore_leaves_no_partial_version(store, monkeypatch):
-    store.rescore(FlippedArith())
+    store.rescore(task_scorer(FlippedArith()))
     v1 = store.sql("SELECT rollout_id, reward FROM rollouts_scored ORDER BY rollout_id")
     monkeypatch.setattr(rescore_mod, "BATCH_ROWS", 8)  # fragments get written before the crash
     task = CrashingArith(after=30)
     with pytest.raises(RuntimeError, match="verifier crashed"):
-        store.rescore(task)
+        store.rescore(task_scorer(task))
     assert task.calls == 31
     versions = store.sql("SELECT DISTINCT reward_version AS v FROM rewards")["v"].to_pylist()
     assert versions == [1]
     assert store.sql("SELECT rollout_id, reward FROM rollouts_scored ORDER BY rollout_id").equals(
         v1
     )
-    assert store.rescore("arith").reward_version == 2
+    assert store.rescore(task_scorer("arith")).reward_version == 2
 
 
 def test_cli_rescore_with_task_options(store, capsys):
@@ -260,7 +273,7 @@ def test_diversity_eviction_judges_correct_answers_by_the_newest_rewards(store):
     correct = store.sql(q)["n"][0].as_py()
     before = store.evict(keep_last=store.count(), preserve_diversity=cfg).coverage.before
     assert correct > 0 and before.total["correct"] == correct
-    store.rescore(NothingCorrect())
+    store.rescore(task_scorer(NothingCorrect()))
     report = store.evict(keep_last=20, preserve_diversity=cfg).coverage
     assert report.before.total["correct"] == 0  # the re-scoring, not the stored column
     assert store.count() == 20
