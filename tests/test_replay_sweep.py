@@ -1,9 +1,9 @@
-"""tools/replay_sweep.py: the grid's configs, the per-cell cache and resume, the bootstrap and
-report math on synthetic per-seed results, and one tiny real cell end to end."""
+"""tools/replay_sweep.py and its modules replay_sweep_grid.py and replay_sweep_report.py: the
+grid's configs, the per-cell cache and resume, the bootstrap and report math on synthetic
+per-seed results, and one tiny real cell end to end."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import sys
@@ -13,66 +13,65 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-spec = importlib.util.spec_from_file_location("replay_sweep", ROOT / "tools" / "replay_sweep.py")
-rs = importlib.util.module_from_spec(spec)
-sys.modules["replay_sweep"] = rs  # dataclasses look their module up
-spec.loader.exec_module(rs)
+from tools import replay_sweep as rs  # noqa: E402  (the runner and the CLI)
+from tools import replay_sweep_grid as grid  # noqa: E402  (cells, sizing, configs, cache)
+from tools import replay_sweep_report as rep  # noqa: E402  (to-target numbers, bootstrap, report)
+from tools.replay_common import load_base  # noqa: E402
 
-BASE = rs.load_base(ROOT / "examples" / "arith.toml")
+BASE = load_base(ROOT / "examples" / "arith.toml")
 
 
 # -- the grid -----------------------------------------------------------------------------------
 def test_cells_map_to_updates_window_and_loss(tmp_path):
-    sz = rs.Sizing()
-    assert len(rs.GRID) == 19 and len({c.name for c in rs.GRID}) == 19
-    assert rs.parse_cell("onpolicy") == rs.ONPOLICY and rs.ONPOLICY.onpolicy
-    for cell in rs.GRID:
-        assert rs.parse_cell(cell.name) == cell
-    on = rs.build_config(BASE, rs.ONPOLICY, 3, sz, tmp_path)
+    sz = grid.Sizing()
+    assert len(grid.GRID) == 19 and len({c.name for c in grid.GRID}) == 19
+    assert grid.parse_cell("onpolicy") == grid.ONPOLICY and grid.ONPOLICY.onpolicy
+    for cell in grid.GRID:
+        assert grid.parse_cell(cell.name) == cell
+    on = grid.build_config(BASE, grid.ONPOLICY, 3, sz, tmp_path)
     assert on.task.name == "carry_add" and on.generation.backend == "hf"
     assert (on.run.updates_per_round, on.run.batch_size, on.replay.window) == (1, 64, 64)
     assert on.run.warm_start_steps == 0 and on.model.path == str(tmp_path / "warm")
     assert (on.run.seed, on.replay.seed, on.optim.seed) == (3, 3, 3)
     assert on.replay.max_uses is None and on.replay.max_staleness is None
-    y16 = rs.build_config(BASE, rs.parse_cell("ppo-y16-n16"), 3, sz, tmp_path)
+    y16 = grid.build_config(BASE, grid.parse_cell("ppo-y16-n16"), 3, sz, tmp_path)
     assert (y16.run.updates_per_round, y16.replay.window) == (16, 1024)
-    ep = rs.build_config(BASE, rs.parse_cell("ppo-ep4-y8-n4"), 3, sz, tmp_path)
+    ep = grid.build_config(BASE, grid.parse_cell("ppo-ep4-y8-n4"), 3, sz, tmp_path)
     assert (ep.run.updates_per_round, ep.optim.ppo_epochs, ep.replay.window) == (2, 4, 256)
-    assert rs.build_config(BASE, rs.parse_cell("m2po-y8-n4"), 3, sz, tmp_path).loss.loss_type == (
-        "m2po"
-    )
+    m2po = grid.build_config(BASE, grid.parse_cell("m2po-y8-n4"), 3, sz, tmp_path)
+    assert m2po.loss.loss_type == "m2po"
     # Equal compute at mu_budget: rounds x R x (mu + y) ~ budget_rounds x R x (mu + 1).
-    for cell in rs.GRID:
+    for cell in grid.GRID:
         r = sz.rounds(cell)
         assert r * (sz.mu_budget + cell.y) >= sz.budget_rounds * (sz.mu_budget + 1) - 1e-9
         assert (r - 1) * (sz.mu_budget + cell.y) < sz.budget_rounds * (sz.mu_budget + 1)
     with pytest.raises(ValueError, match="not a cell name"):
-        rs.parse_cell("sgd-y2-n1")
+        grid.parse_cell("sgd-y2-n1")
     # The overrides round-trip through the config format.
     assert type(on).from_dict(on.to_dict()) == on
 
 
 def test_hash_follows_the_sizing_not_the_folders(tmp_path):
-    sz = rs.Sizing()
-    cfg = rs.build_config(BASE, rs.ONPOLICY, 0, sz, tmp_path / "a")
-    same = rs.build_config(BASE, rs.ONPOLICY, 0, sz, tmp_path / "b")
-    assert rs.config_hash(cfg, sz) == rs.config_hash(same, sz)
-    other = rs.Sizing(budget_rounds=sz.budget_rounds + 1)
-    assert rs.config_hash(rs.build_config(BASE, rs.ONPOLICY, 0, other, tmp_path), other) != (
-        rs.config_hash(cfg, sz)
+    sz = grid.Sizing()
+    cfg = grid.build_config(BASE, grid.ONPOLICY, 0, sz, tmp_path / "a")
+    same = grid.build_config(BASE, grid.ONPOLICY, 0, sz, tmp_path / "b")
+    assert grid.config_hash(cfg, sz) == grid.config_hash(same, sz)
+    other = grid.Sizing(budget_rounds=sz.budget_rounds + 1)
+    assert grid.config_hash(grid.build_config(BASE, grid.ONPOLICY, 0, other, tmp_path), other) != (
+        grid.config_hash(cfg, sz)
     )
-    more = rs.Sizing(passk_samples=4)
-    assert rs.config_hash(cfg, more) != rs.config_hash(cfg, sz)
-    assert rs.config_hash(rs.build_config(BASE, rs.ONPOLICY, 1, sz, tmp_path), sz) != (
-        rs.config_hash(cfg, sz)
+    more = grid.Sizing(passk_samples=4)
+    assert grid.config_hash(cfg, more) != grid.config_hash(cfg, sz)
+    assert grid.config_hash(grid.build_config(BASE, grid.ONPOLICY, 1, sz, tmp_path), sz) != (
+        grid.config_hash(cfg, sz)
     )
 
 
 def test_select_cells_names_globs_and_all(tmp_path):
-    cache = rs.Cache(tmp_path / "c.json")
+    cache = grid.Cache(tmp_path / "c.json")
     pick = rs.select_cells(["onpolicy", "ppo-y1-n1", "ppo-y*-n4"], cache, None, 0.5)
     assert [c.name for c in pick] == ["ppo-y1-n1"] + [f"ppo-y{y}-n4" for y in (1, 2, 4, 8, 16)]
-    assert rs.select_cells(["all"], cache, None, 0.5) == rs.GRID
+    assert rs.select_cells(["all"], cache, None, 0.5) == grid.GRID
     with pytest.raises(SystemExit):
         rs.select_cells(["nothing-*"], cache, None, 0.5)
 
@@ -94,31 +93,30 @@ def test_carry_task_worked_answers_and_reward():
         assert 10 <= a < 1000 and 10 <= b < 1000 and p.meta["value"] == a + b
         assert task.reward(p, " " + p.answer).reward == 1.0
         assert task.reward(p, " " + p.answer.rsplit(" ", 1)[0]).reward == 0.0  # cut short
-    assert rs.build_config(BASE, rs.ONPOLICY, 0, rs.Sizing(), Path("x")).task.build().name == (
-        "carry_add"
-    )
+    cfg = grid.build_config(BASE, grid.ONPOLICY, 0, grid.Sizing(), Path("x"))
+    assert cfg.task.build().name == "carry_add"
 
 
 # -- cache and resume ---------------------------------------------------------------------------
 def test_cache_skips_finished_runs_and_survives_a_reload(tmp_path):
-    sz = rs.Sizing()
-    cells = [rs.ONPOLICY, rs.parse_cell("ppo-y4-n4")]
-    cache = rs.Cache(tmp_path / "cache.json")
+    sz = grid.Sizing()
+    cells = [grid.ONPOLICY, grid.parse_cell("ppo-y4-n4")]
+    cache = grid.Cache(tmp_path / "cache.json")
     jobs = rs.make_jobs(BASE, cells, [0, 1], sz, tmp_path, cache)
     assert [(j["cell"], j["seed"]) for j in jobs] == [
         ("ppo-y1-n1", 0), ("ppo-y4-n4", 0), ("ppo-y1-n1", 1), ("ppo-y4-n4", 1),
     ]  # fmt: skip
     cache.begin_session(["--jobs", "1"], 1)
     for j in jobs[:3]:  # the fourth run "was killed": nothing cached for it
-        cache.put(rs.parse_cell(j["cell"]), j["seed"], _record(j["cell"], j["seed"], j["hash"]))
-    again = rs.Cache(tmp_path / "cache.json")
+        cache.put(grid.parse_cell(j["cell"]), j["seed"], _record(j["cell"], j["seed"], j["hash"]))
+    again = grid.Cache(tmp_path / "cache.json")
     left = rs.make_jobs(BASE, cells, [0, 1], sz, tmp_path, again)
     assert [(j["cell"], j["seed"]) for j in left] == [("ppo-y4-n4", 1)]
     assert again.sessions[0]["runs"] == 3 and again.sessions[0]["argv"] == ["--jobs", "1"]
     # Another sizing is another configuration: nothing cached counts.
-    other = rs.Sizing(budget_rounds=7)
+    other = grid.Sizing(budget_rounds=7)
     assert len(rs.make_jobs(BASE, cells, [0, 1], other, tmp_path, again)) == 4
-    assert json.loads((tmp_path / "cache.json").read_text())["schema"] == rs.SCHEMA
+    assert json.loads((tmp_path / "cache.json").read_text())["schema"] == grid.SCHEMA
 
 
 # -- per-run numbers ----------------------------------------------------------------------------
@@ -135,7 +133,7 @@ def test_summarise_run_reads_the_loop_metrics():
         )  # fmt: skip
         if s % 4 == 0:
             recs.append({**recs[-1], "kind": "eval", "reward": 0.2 + 0.05 * s})
-    out = rs.summarise_run(recs, rs.parse_cell("ppo-y2-n4"), 64)
+    out = rs.summarise_run(recs, grid.parse_cell("ppo-y2-n4"), 64)
     assert out["curve"][0] == [0, 0, 0, 0, 0.2]
     assert out["curve"][1] == [4, 3200, 128, 256, pytest.approx(0.4)]
     assert (out["steps"], out["tokens"], out["rollouts"], out["uses"]) == (8, 6400, 256, 512)
@@ -154,50 +152,50 @@ def test_pass_at_k_is_the_unbiased_estimator():
 def test_target_and_compute_at_a_mu():
     # Smoothed (3-eval moving average): 0.2, 0.3, 0.467, 0.55: 0.45 first at the third eval,
     # though the raw 0.5 of one eval alone would not count.
-    assert rs.smoothed([0.1, 0.3, 0.5, 0.6]) == pytest.approx([0.2, 0.3, 1.4 / 3, 0.55])
+    assert rep.smoothed([0.1, 0.3, 0.5, 0.6]) == pytest.approx([0.2, 0.3, 1.4 / 3, 0.55])
     rec = _record("ppo-y4-n4", 0, "h", curve=[[0, 0, 0, 0, 0.1], [8, 3000, 128, 512, 0.3],
                                              [16, 6000, 256, 1024, 0.5],
                                              [24, 9000, 384, 1536, 0.6]])  # fmt: skip
-    assert rs.hit([[0, 0, 0, 0, 0.1], [8, 3000, 128, 512, 0.6], [9, 0, 0, 0, 0.1]], 0.5) is None
-    m = rs.run_metrics(rec, 0.45, {"measured": 1.0, "paper": 5.3})
+    assert rep.hit([[0, 0, 0, 0, 0.1], [8, 3000, 128, 512, 0.6], [9, 0, 0, 0, 0.1]], 0.5) is None
+    m = rep.run_metrics(rec, 0.45, {"measured": 1.0, "paper": 5.3})
     assert m["tokens_to_target"] == 6000
     assert m["compute_to_target@measured"] == 1024 + 256
     assert m["compute_to_target@paper"] == pytest.approx(1024 + 5.3 * 256)
-    assert math.isnan(rs.run_metrics(rec, 0.9, {"measured": 1.0})["compute_to_target@measured"])
+    assert math.isnan(rep.run_metrics(rec, 0.9, {"measured": 1.0})["compute_to_target@measured"])
 
 
 # -- statistics ---------------------------------------------------------------------------------
 def test_bootstrap_mean_interval():
-    mean, lo, hi = rs.bootstrap_mean([1.0, 2.0, 3.0, 4.0, float("nan")], n_boot=4000)
+    mean, lo, hi = rep.bootstrap_mean([1.0, 2.0, 3.0, 4.0, float("nan")], n_boot=4000)
     assert mean == 2.5 and 1.0 <= lo < mean < hi <= 4.0
-    assert rs.bootstrap_mean([5.0, 5.0, 5.0]) == (5.0, 5.0, 5.0)
-    one = rs.bootstrap_mean([2.0])
-    assert one[0] == 2.0 and math.isnan(one[1]) and math.isnan(rs.bootstrap_mean([])[0])
+    assert rep.bootstrap_mean([5.0, 5.0, 5.0]) == (5.0, 5.0, 5.0)
+    one = rep.bootstrap_mean([2.0])
+    assert one[0] == 2.0 and math.isnan(one[1]) and math.isnan(rep.bootstrap_mean([])[0])
 
 
 def test_saving_is_paired_by_seed():
     base = {0: 100.0, 1: 200.0, 2: 300.0, 3: 400.0}
     # 40% cheaper on every seed: paired, the interval collapses onto the point.
-    s = rs.saving(base, {k: 0.6 * v for k, v in base.items()}, n_boot=2000)
+    s = rep.saving(base, {k: 0.6 * v for k, v in base.items()}, n_boot=2000)
     assert s["paired"] and s["n"] == 4
     assert s["point"] == pytest.approx(0.4) and s["lo"] == pytest.approx(0.4)
     assert s["hi"] == pytest.approx(0.4)
     # Unpaired, the spread between seeds widens it.
     shuffled = {10 + k: 0.6 * v for k, v in base.items()}
-    u = rs.saving(base, shuffled, n_boot=2000)
+    u = rep.saving(base, shuffled, n_boot=2000)
     assert not u["paired"] and u["point"] == pytest.approx(0.4) and u["lo"] < 0.3 < 0.5 < u["hi"]
     # Seeds that did not reach the target (NaN) drop out of the pairs.
-    p = rs.saving(base, {0: 60.0, 1: 120.0, 2: float("nan"), 3: 240.0}, n_boot=500)
+    p = rep.saving(base, {0: 60.0, 1: 120.0, 2: float("nan"), 3: 240.0}, n_boot=500)
     assert p["n"] == 3 and p["point"] == pytest.approx(0.4)
-    assert math.isnan(rs.saving({0: 1.0}, {0: 1.0})["point"])
+    assert math.isnan(rep.saving({0: 1.0}, {0: 1.0})["point"])
     # On-policy at the target from the start (zero compute): no finite saving.
-    z = rs.saving({0: 0.0, 1: 0.0}, {0: 5.0, 1: 0.0}, n_boot=200)
-    assert z["point"] == -math.inf and "-inf" in rs.fmt_pct(z)
-    assert rs.saving({0: 0.0, 1: 0.0}, {0: 0.0, 1: 0.0}, n_boot=200)["point"] == 0.0
+    z = rep.saving({0: 0.0, 1: 0.0}, {0: 5.0, 1: 0.0}, n_boot=200)
+    assert z["point"] == -math.inf and "-inf" in rep.fmt_pct(z)
+    assert rep.saving({0: 0.0, 1: 0.0}, {0: 0.0, 1: 0.0}, n_boot=200)["point"] == 0.0
 
 
 def test_report_tables_best_cell_and_saving(tmp_path):
-    cache = rs.Cache(tmp_path / "cache.json")
+    cache = grid.Cache(tmp_path / "cache.json")
     cache.warm = {"pass1": 0.2, "pass4": 0.4, "heldout_entropy": 0.3, "heldout_tokens": 27.0,
                   "seconds": 5.0, "spec": {"steps": 250}}  # fmt: skip
     cache.sessions = [{"argv": [], "jobs": 2, "seconds": 600.0, "runs": 12}]
@@ -223,11 +221,11 @@ def test_report_tables_best_cell_and_saving(tmp_path):
             else:
                 curve = [[0, 0, 0, 0, 0.2], [1, 5000, 200, 3200, 0.3]]
             rec = _record(name, seed, f"h-{name}-{seed}", curve=curve, mu=1.0)
-            cache.put(rs.parse_cell(name), seed, rec)
-            hashes[rs.Cache.key(rs.parse_cell(name), seed)] = rec["hash"]
+            cache.put(grid.parse_cell(name), seed, rec)
+            hashes[grid.Cache.key(grid.parse_cell(name), seed)] = rec["hash"]
     out = tmp_path / "results.md"
     out.write_text("# old report\n\nold text\n")
-    block = rs.report(cache, hashes, rs.Sizing(), target=0.5, out=out, command="cmd",
+    block = rep.report(cache, hashes, grid.Sizing(), target=0.5, out=out, command="cmd",
                       n_boot=500)  # fmt: skip
     assert "| ppo-y1-n1 (on-policy) |" in block and "| ppo-y16-n4 |" in block
     assert "0/4" in block  # y16 never reached the target
@@ -237,12 +235,12 @@ def test_report_tables_best_cell_and_saving(tmp_path):
     assert f"saving {100 * (1 - 2790 / 6300):.0f}%" in block
     assert "| 0.50 | 4/4 | ppo-y4-n4: 25% [25%, 25%] (paired, 4 seeds) |" in block
     text = out.read_text()
-    assert text.index(rs.SWEEP_BEGIN) < text.index(rs.SWEEP_END) < text.index("old text")
+    assert text.index(rep.SWEEP_BEGIN) < text.index(rep.SWEEP_END) < text.index("old text")
     assert (tmp_path / "results_sweep_panels.png").stat().st_size > 0
     assert (tmp_path / "results_sweep_curves.png").stat().st_size > 0
     # A second report replaces the block and keeps the hand-written text around it.
     out.write_text(text.replace("(to write from the tables above)", "my reading"))
-    rs.report(cache, hashes, rs.Sizing(), target=0.5, out=out, command="cmd2", n_boot=100)
+    rep.report(cache, hashes, grid.Sizing(), target=0.5, out=out, command="cmd2", n_boot=100)
     text = out.read_text()
     assert "my reading" in text and "`cmd2`" in text and "`cmd`" not in text
 

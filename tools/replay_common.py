@@ -1,6 +1,6 @@
 """Helpers shared by the replay experiments (``tools/replay_vs_onpolicy.py``,
-``tools/replay_sweep.py``): the base config, a run's ``metrics.jsonl``, and the generated
-block of a Markdown report."""
+``tools/replay_sweep.py`` and its ``replay_sweep_grid.py`` and ``replay_sweep_report.py``): the
+base config, a run's ``metrics.jsonl``, and the generated block of a Markdown report."""
 
 from __future__ import annotations
 
