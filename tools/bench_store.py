@@ -9,7 +9,7 @@ tokens/s (token ids + log-probs into numpy) and the latency of a random take of
 encodings considered for the token columns (Lance default, Lance zstd+byte-stream
 split = our default, per-row zstd blobs with byte shuffling, uncompressed).
 Proxy data: Zipf(1.2) ids over a 151k vocabulary, log-prob mixture, lognormal
-lengths around 512, groups of 8 (rolloutstore/proxy.py).
+lengths around 512, groups of 8 (rolloutstore/io/proxy.py).
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ of ``{"role", "content"}`` turns and ``sft`` adds ``messages`` (prompt turns + c
 ``where`` is a filter only, applied to ``rollouts`` before shaping: it runs as
 ``... FROM rollouts WHERE (<where>)`` with ``params`` bound to its ``?``
 placeholders, and must be one boolean expression over the store's columns
-(:func:`rolloutstore.sql.check_where`). ``timeout`` (seconds) interrupts a query
+(:func:`rolloutstore.query.sql.check_where`). ``timeout`` (seconds) interrupts a query
 that runs longer. ``out`` may not lie inside a store folder (:func:`check_output_path`).
 
 This module checks the options and streams rows to files; the shapes' columns, output

@@ -222,7 +222,7 @@ def ingest_file(
 
     ``on_duplicate="skip"`` leaves out rows whose rollout_id is already stored, so
     ingesting the same file twice is a no-op the second time. ``importer``
-    (:class:`rolloutstore.interop.TextImporter`) reads another framework's text rows:
+    (:class:`rolloutstore.io.interop.TextImporter`) reads another framework's text rows:
     the file is read once for its groups, then converted chunk by chunk.
     """
     from tqdm.auto import tqdm

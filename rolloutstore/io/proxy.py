@@ -5,7 +5,7 @@ measured LLM rollouts (docs/platform.md): Zipf(1.2) token ids over a 151k vocabu
 log-probs drawn from a mixture (70% ~ -Exp(0.02), 30% ~ -Exp(2)), lognormal
 completion lengths, GRPO groups of ``group_size`` samples of one prompt.
 
-    python -m rolloutstore.proxy OUT.parquet --rollouts 20000
+    python -m rolloutstore.io.proxy OUT.parquet --rollouts 20000
 """
 
 from __future__ import annotations

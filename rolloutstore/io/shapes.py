@@ -1,7 +1,7 @@
 """The shapes an export writes (``as_``): ``rollouts`` as stored, and SFT / DPO data in TRL's
 dataset column names. Owns the column mappings, the checks of ``columns``, the output Arrow
 schema, the DuckDB query that shapes the rows, and conversational (chat-turn) columns.
-:mod:`rolloutstore.export` streams the query's result to files."""
+:mod:`rolloutstore.io.export` streams the query's result to files."""
 
 from __future__ import annotations
 

@@ -16,6 +16,23 @@ import torch
 
 from rolloutstore.replay.selector import Selection
 
+# The batch's keys, declared once: collate builds them, the learner's micro-batching
+# (trainer/algo/batching.py) splits by them. B sequences (packed: 1 row), T tokens.
+TOKEN_KEYS = ("input_ids", "attention_mask", "position_ids")  # (B, T)
+TARGET_KEYS = ("loss_mask", "behavior_logprobs", "advantages")  # (B, T-1): column t scores t+1
+SEQUENCE_KEYS = (
+    "policy_version", "staleness", "weights", "rewards", "seq_advantages",
+    "temperature", "top_k", "top_p",
+)  # fmt: skip  # (B,): one value per sequence
+PACKED_KEYS = ("cu_seqlens",)  # (B+1,): sequence boundaries of a packed row
+# Per batch: counts, ids (lists, one per sequence) and the draw's provenance.
+BATCH_INFO_KEYS = (
+    "num_tokens", "num_loss_tokens", "rollout_ids", "run_ids", "logprobs_mode", "step",
+    "learner_version", "store_version",
+)  # fmt: skip
+# A micro-batch (``micro_batch_tokens``) also carries its whole step's loss tokens and sequences.
+MICRO_BATCH_KEYS = ("step_loss_tokens", "step_sequences")
+
 # Rewards and advantages come from the Selection (the selector overlays re-scorings on them).
 TOKEN_COLUMNS = ["prompt_ids", "completion_ids", "behavior_logprobs", "loss_mask"]
 # Each row's sampler settings: the learner scores a row under the distribution that sampled it.

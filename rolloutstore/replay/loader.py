@@ -14,7 +14,7 @@ Batch layout (padded, ``pack=False``), right-padded to the longest sequence::
     loss_mask, behavior_logprobs, advantages     (B, T-1) float32, aligned with
         trainer.algo.logprobs.sequence_logprobs: column t scores input_ids[:, t+1]
     policy_version, staleness, weights, rewards  (B,)   rewards/advantages: the reward
-        version the selector read (newest re-scoring by default; see ``rolloutstore rescore``)
+        version the selector read (newest re-scoring by default; see ``rolloutstore-train rescore``)
     rollout_ids, run_ids                          list[str]
 
 Packed (``pack=True``): the same keys with B = 1 over the concatenation, plus

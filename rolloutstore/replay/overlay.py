@@ -58,7 +58,7 @@ class RewardOverlay:
         elif want not in (None, 0):
             raise RewardVersionError(
                 f"ReplayConfig.reward_version {want} does not exist: the store has no "
-                "re-scorings yet (run `rolloutstore rescore`), only version 0"
+                "re-scorings yet (run `rolloutstore-train rescore`), only version 0"
             )
         self._overlay_cache = (version, table)
         return table

@@ -14,7 +14,7 @@ or resumes from, counting only earlier steps) plus other runs' logged uses, so a
 resumed run, or a loader worker replaying the selections, sees exactly what the
 uninterrupted run saw.
 
-Re-scored rewards (``rolloutstore rescore``) are overlaid on the scanned rows before
+Re-scored rewards (``rolloutstore-train rescore``) are overlaid on the scanned rows before
 the window SQL, so ``drop_zero_variance_groups``, ``positive_fraction``, advantage
 priority and ``where`` all read the chosen reward version: each rollout's newest by
 default, or with ``reward_version=k`` its newest re-scoring at or below k (0: the

@@ -1,5 +1,5 @@
 """Deleting rows by an explicit retention rule: keep the newest N, drop old or stale
-policies, or keep N while preserving diversity (:mod:`rolloutstore.retention` plans which).
+policies, or keep N while preserving diversity (:mod:`rolloutstore.retention.policy` plans which).
 Sampling never deletes; this is the only place rows leave a store."""
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ among equals, so the plan is a deterministic function of (store version, keep,
 config). Only scalar columns and the embedding are read, never token columns.
 
     from rolloutstore import RolloutStore
-    from rolloutstore.retention import RetentionConfig, format_report
+    from rolloutstore.retention.policy import RetentionConfig, format_report
     store = RolloutStore.open("runs/demo/store")
     r = store.evict(keep_last=10_000, preserve_diversity=RetentionConfig(reserve=0.2))
     print(format_report(r.coverage))   # or: rolloutstore evict STORE --keep N --preserve-diversity

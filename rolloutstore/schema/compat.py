@@ -19,7 +19,7 @@ so that SQL (the ``rollouts`` view over the stored dataset, registered as
 ``rollouts_stored``), the selector's scans, the loader's token reads and exports see one
 schema whatever the version. Appends to a v1 store take rows that are single-turn in this sense (validated as
 v2 first) and write them without the v2 columns; a row that needs them is refused, naming
-``rolloutstore migrate STORE`` (:mod:`rolloutstore.migrate`), which upgrades the store in
+``rolloutstore migrate STORE`` (:mod:`rolloutstore.store.migrate`), which upgrades the store in
 one commit.
 """
 

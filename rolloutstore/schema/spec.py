@@ -8,7 +8,7 @@ metadata so that every Lance dataset records what wrote it.
 New stores are written with :data:`SCHEMA_VERSION` (2: multi-turn trajectories). Stores
 written with an older version (``rollout.v1.json``) still open; how their rows are read
 and appended is :mod:`rolloutstore.schema_compat`, and ``rolloutstore migrate`` upgrades
-them (:mod:`rolloutstore.migrate`). A newer version than this code knows is refused.
+them (:mod:`rolloutstore.store.migrate`). A newer version than this code knows is refused.
 """
 
 from __future__ import annotations

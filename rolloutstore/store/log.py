@@ -313,7 +313,7 @@ class RolloutLog:
         """Remove data files no retained version references (left by killed appends) that are
         older than ``min_age``, and killed exports' ``.OUT.tmp-PID`` files in ``exports``.
 
-        Safe with concurrent readers and appenders; see :mod:`rolloutstore.gc`.
+        Safe with concurrent readers and appenders; see :mod:`rolloutstore.store.gc`.
         """
         self.check_writable()
         return collect_store(

@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader
 
 from rolloutstore import ReplayConfig, ReplayDataset, RolloutStore
 from rolloutstore.io.proxy import proxy_batches
+from rolloutstore.replay import collate as C
 from rolloutstore.replay.loader import micro_batches
 
 
@@ -78,6 +79,20 @@ def test_packed_equals_padded(store):
     # The position predicting a sequence's first token from the previous one is masked.
     assert all(pk["loss_mask"][0, c - 1] == 0 for c in cu[1:-1])
     assert pk["loss_mask"].sum() == pad["loss_mask"].sum()
+
+
+def test_batches_hold_exactly_the_declared_keys_in_their_shapes(store):
+    (pad,) = _batches(store, 1, batch_size=6, learner_version=5)
+    (pk,) = _batches(store, 1, batch_size=6, learner_version=5, pack=True)
+    (mbs,) = _batches(store, 1, batch_size=6, micro_batch_tokens=60, learner_version=5)
+    base = {*C.TOKEN_KEYS, *C.TARGET_KEYS, *C.SEQUENCE_KEYS, *C.BATCH_INFO_KEYS}
+    assert set(pad) == base and set(pk) == base | set(C.PACKED_KEYS)
+    assert all(set(m) == base | set(C.MICRO_BATCH_KEYS) for m in mbs)
+    for b, rows in ((pad, 6), (pk, 1)):
+        width = b["input_ids"].shape[1]
+        assert all(b[k].shape == (rows, width) for k in C.TOKEN_KEYS)
+        assert all(b[k].shape == (rows, width - 1) for k in C.TARGET_KEYS)
+        assert all(b[k].shape == (6,) for k in C.SEQUENCE_KEYS)
 
 
 def test_token_budget_and_micro_batches(store):

@@ -163,7 +163,8 @@ def test_a_killed_migrate_leaves_the_v1_store_readable(tmp_path):
     files, version = _data_files(store), store.version
     script = textwrap.dedent(f"""
         import os
-        from rolloutstore import RolloutStore, migrate as M
+        from rolloutstore import RolloutStore
+        from rolloutstore.store import migrate as M
         M._commit = lambda *a, **k: os._exit(9)  # killed between the data files and the commit
         M.migrate(RolloutStore.open({store.uri!r}))
     """)

@@ -1,4 +1,4 @@
-"""The one `where` validator (rolloutstore.sql.check_where) at every entry point.
+"""The one `where` validator (rolloutstore.query.sql.check_where) at every entry point.
 
 A filter is refused, or confined: spliced into the selector's window query it changes
 nothing of the statement but that query's WHERE clause (checked on DuckDB's parse tree).

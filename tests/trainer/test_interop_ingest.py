@@ -1,7 +1,7 @@
 """ingest --from verl|trl|openai: text rollouts become trainable rows (ids, recomputed
 behaviour log-probs, group advantages) that ReplayDataset draws.
 
-Files in tests/data follow each framework's own writer (see rolloutstore/interop.py):
+Files in tests/data follow each framework's own writer (see rolloutstore/io/interop.py):
 verl's RayPPOTrainer._dump_generations JSONL, TRL's GRPOTrainer completions parquet
 (log_completions=True; conversational prompts), OpenAI chat fine-tuning JSONL (+ reward).
 """

@@ -14,21 +14,14 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from rolloutstore.replay.loader import micro_batches
+from rolloutstore.replay.collate import SEQUENCE_KEYS as _SEQ_KEYS
+from rolloutstore.replay.collate import TARGET_KEYS as _TARGET_KEYS
+from rolloutstore.replay.collate import TOKEN_KEYS as _TOKEN_KEYS
+from rolloutstore.replay.collate import micro_batches
 
-# Keys of a batch holding one value per sequence; everything else per token or scalar.
-_SEQ_KEYS = (
-    "policy_version", "staleness", "weights", "rewards", "seq_advantages",
-    "temperature", "top_k", "top_p",
-)  # fmt: skip
-# Per-sequence (n, L-1) grids in the unpacked layout (row i: sequence i's target columns).
+# Per-sequence (n, L-1) grids in the unpacked layout (row i: sequence i's target columns),
+# added by the learner (its pi_old log-probs); the rest are the loader's keys.
 _GRID_KEYS = ("old_logprobs",)
-
-
-_TOKEN_KEYS = ("input_ids", "attention_mask", "position_ids")
-
-
-_TARGET_KEYS = ("loss_mask", "behavior_logprobs", "advantages")
 
 
 def is_packed(batch: dict[str, Any]) -> bool:

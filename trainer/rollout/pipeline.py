@@ -18,7 +18,7 @@ Python::
 
 CLI (registered on ``rolloutstore`` by :mod:`trainer.store_commands`)::
 
-    rolloutstore generate STORE --model DIR|tiny --task arith --prompts 256 --group-size 8 \\
+    rolloutstore-train generate STORE --model DIR|tiny --task arith --prompts 256 --group-size 8 \\
         --policy-version 0 --backend vllm|hf [--temperature T --top-p P --top-k K \\
         --max-tokens N --seed S --run-id ID]
 

@@ -1,4 +1,4 @@
-"""The trainer's row transformer for ``rolloutstore ingest --from verl|trl|openai``.
+"""The trainer's row transformer for ``rolloutstore-train ingest --from verl|trl|openai``.
 
 rolloutstore maps another framework's rows to text rows and groups them
 (:mod:`rolloutstore.interop`); this module turns text into token ids with the
