@@ -1,4 +1,5 @@
-"""Every command of the README's CLI tour, and its Python example, run as written."""
+"""The README and the docs it points to: every command block and Python example run as
+written."""
 
 from __future__ import annotations
 
@@ -9,14 +10,27 @@ import subprocess
 import sys
 from pathlib import Path
 
-README = Path(__file__).parents[1] / "README.md"
+ROOT = Path(__file__).parents[1]
+README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+CLI = DOCS / "cli.md"  # the CLI tour
+TRAINING = DOCS / "training.md"  # Replay; Your own model and data
+MULTITURN = DOCS / "multiturn.md"
 
 
-def _block(after: str, lang: str) -> str:
-    text = README.read_text()
+def _block(after: str, lang: str, doc: Path = README) -> str:
+    """The first ```lang block after the text `after` in `doc`."""
+    text = doc.read_text()
     start = text.index(after)
     m = re.compile(rf"```{lang}\n(.*?)```", re.S).search(text, start)
     return m.group(1)
+
+
+def _env(*, repo_on_path: bool = False) -> dict[str, str]:
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    if repo_on_path:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    return env
 
 
 def test_readme_opens_with_the_two_commands():
@@ -25,8 +39,8 @@ def test_readme_opens_with_the_two_commands():
 
 
 def test_cli_tour_runs_as_written(tmp_path):
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    commands = [c for c in _block("<!-- tour", "bash").splitlines() if c.strip()]
+    env = _env()
+    commands = [c for c in _block("<!-- tour", "bash", CLI).splitlines() if c.strip()]
     assert len(commands) >= 10
     out = {}
     for cmd in commands:
@@ -47,12 +61,25 @@ def test_cli_tour_runs_as_written(tmp_path):
 
 
 def test_python_examples_run(tmp_path, monkeypatch):
+    """The README's Python example, the README's look-inside commands on the store it wrote,
+    then the Replay example of docs/training.md on that store."""
     monkeypatch.chdir(tmp_path)
     exec(compile(_block("## Python", "python"), "README.md", "exec"), {})
     from rolloutstore import RolloutStore
 
     assert RolloutStore.open(tmp_path / "runs/demo/store").count() == 1
-    exec(compile(_block("## Replay", "python"), "README.md", "exec"), {})
+    env = _env()
+    commands = [c for c in _block("<!-- look-inside", "bash").splitlines() if c.strip()]
+    assert len(commands) == 3
+    out = []
+    for cmd in commands:
+        p = subprocess.run(cmd, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True)
+        assert p.returncode == 0, f"{cmd}\n{p.stdout}\n{p.stderr}"
+        out.append(p.stdout)
+    assert "rollouts   1 in 1 groups" in out[0]
+    assert "policy_version" in out[1] and "(1 rows)" in out[1]
+    assert "<rollout_id>" in out[2] and "(1 rows)" in out[2]  # the example's record_usage
+    exec(compile(_block("\n## Replay\n", "python", TRAINING), "docs/training.md", "exec"), {})
     assert (
         RolloutStore.open(tmp_path / "runs/demo/store")
         .sql("SELECT count(*) AS n FROM usage")["n"][0]
@@ -62,13 +89,12 @@ def test_python_examples_run(tmp_path, monkeypatch):
 
 
 def test_own_model_and_data_runs_as_written(tmp_path):
-    """The "Your own model and data" commands, from a folder that has the repository's tools."""
-    root = README.parent
-    (tmp_path / "tools").symlink_to(root / "tools")
-    (tmp_path / "my-run.toml").write_text(_block("<!-- own-data", "toml"))
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
-    commands = [c for c in _block("<!-- own-data", "bash").splitlines() if c.strip()]
+    """The "Your own model and data" commands of docs/training.md, from a folder that has the
+    repository's tools."""
+    (tmp_path / "tools").symlink_to(ROOT / "tools")
+    (tmp_path / "my-run.toml").write_text(_block("<!-- own-data", "toml", TRAINING))
+    env = _env(repo_on_path=True)
+    commands = [c for c in _block("<!-- own-data", "bash", TRAINING).splitlines() if c.strip()]
     assert len(commands) == 4
     for cmd in commands:
         p = subprocess.run(cmd, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True)
@@ -83,14 +109,12 @@ def test_own_model_and_data_runs_as_written(tmp_path):
 
 
 def test_multiturn_commands_run_as_written(tmp_path):
-    """The "Multi-turn trajectories" commands, from a folder with the repository's tools and
-    test data."""
-    root = README.parent
-    (tmp_path / "tools").symlink_to(root / "tools")
-    (tmp_path / "tests").symlink_to(root / "tests")
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
-    commands = [c for c in _block("<!-- multiturn", "bash").splitlines() if c.strip()]
+    """The commands of docs/multiturn.md, from a folder with the repository's tools and test
+    data."""
+    (tmp_path / "tools").symlink_to(ROOT / "tools")
+    (tmp_path / "tests").symlink_to(ROOT / "tests")
+    env = _env(repo_on_path=True)
+    commands = [c for c in _block("<!-- multiturn", "bash", MULTITURN).splitlines() if c.strip()]
     assert len(commands) == 7
     out = []
     for cmd in commands:
