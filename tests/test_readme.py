@@ -1,5 +1,5 @@
 """The README and the docs it points to: every command block and Python example run as
-written."""
+written, the config table's defaults, and every relative link."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).parents[1]
@@ -36,6 +37,56 @@ def _env(*, repo_on_path: bool = False) -> dict[str, str]:
 def test_readme_opens_with_the_two_commands():
     first = _block("# rolloutstore", "bash").splitlines()
     assert [line.split("#")[0].strip() for line in first] == ["make demo", "make test"]
+
+
+def test_readme_is_a_front_door():
+    """Short, and a map of docs/: every doc file is linked from the README's Docs section."""
+    assert len(README.read_bytes()) < 12_000
+    docs_section = README.read_text().split("\n## Docs\n", 1)[1].split("\n## ", 1)[0]
+    linked = set(re.findall(r"\]\(docs/([^)#]+\.md)\)", docs_section))
+    assert linked == {p.name for p in DOCS.glob("*.md")}
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading.strip().lower())
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def _unfenced(text: str) -> str:
+    """Markdown without its fenced code blocks."""
+    return re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+
+
+def _prose(text: str) -> str:
+    """Markdown without fenced code blocks and inline code spans."""
+    return re.sub(r"`[^`\n]*`", "", _unfenced(text))
+
+
+def _anchors(path: Path) -> set[str]:
+    seen: dict[str, int] = {}
+    for heading in re.findall(r"^#{1,6} (.+)$", _unfenced(path.read_text()), flags=re.M):
+        slug = _slug(heading)
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+    return {s if i == 0 else f"{s}-{i}" for s, n in seen.items() for i in range(n)}
+
+
+def test_relative_links_resolve():
+    """Every relative link of the README and docs/ names a file that exists, and an anchor
+    into a Markdown file names one of its headings."""
+    broken = []
+    for doc in [README, *sorted(DOCS.glob("*.md"))]:
+        for target in re.findall(r"\]\(([^)\s]+)\)", _prose(doc.read_text())):
+            if re.match(r"[a-z]+:", target):
+                continue  # http(s), mailto
+            path, _, anchor = target.partition("#")
+            file = (doc.parent / path).resolve() if path else doc
+            if not file.exists():
+                broken.append(f"{doc.relative_to(ROOT)}: {target} (no such file)")
+            elif anchor and file.suffix == ".md" and anchor not in _anchors(file):
+                broken.append(f"{doc.relative_to(ROOT)}: {target} (no such heading)")
+    assert not broken, "\n".join(broken)
 
 
 def test_cli_tour_runs_as_written(tmp_path):
@@ -86,6 +137,20 @@ def test_python_examples_run(tmp_path, monkeypatch):
         .as_py()
         >= 1
     )
+
+
+def test_config_table_matches_defaults():
+    """Each row of the README's config table names a real key and its default (an empty
+    TOML file's value)."""
+    from trainer.config import TrainConfig
+
+    table = README.read_text().split("<!-- config-table", 1)[1].split("\n\n", 1)[0]
+    rows = re.findall(r"^\| `\[(\w+)\] (\w+)` \| (.+?) \|", table, flags=re.M)
+    assert len(rows) >= 10
+    defaults = TrainConfig.from_dict({})
+    for section, key, cell in rows:
+        want = None if cell == "unset" else tomllib.loads(f"v = {cell.strip('`')}")["v"]
+        assert getattr(getattr(defaults, section), key) == want, f"[{section}] {key}"
 
 
 def test_own_model_and_data_runs_as_written(tmp_path):
