@@ -1,4 +1,5 @@
-"""Every command of the README's CLI tour, and its Python example, run as written."""
+"""The README and the docs it points to: every command block and Python example run as
+written, the config table's defaults, and every relative link."""
 
 from __future__ import annotations
 
@@ -7,16 +8,30 @@ import os
 import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
-README = Path(__file__).parents[1] / "README.md"
+ROOT = Path(__file__).parents[1]
+README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+CLI = DOCS / "cli.md"  # the CLI tour
+TRAINING = DOCS / "training.md"  # Replay; Your own model and data
+MULTITURN = DOCS / "multiturn.md"
 
 
-def _block(after: str, lang: str) -> str:
-    text = README.read_text()
+def _block(after: str, lang: str, doc: Path = README) -> str:
+    """The first ```lang block after the text `after` in `doc`."""
+    text = doc.read_text()
     start = text.index(after)
     m = re.compile(rf"```{lang}\n(.*?)```", re.S).search(text, start)
     return m.group(1)
+
+
+def _env(*, repo_on_path: bool = False) -> dict[str, str]:
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    if repo_on_path:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    return env
 
 
 def test_readme_opens_with_the_two_commands():
@@ -24,9 +39,59 @@ def test_readme_opens_with_the_two_commands():
     assert [line.split("#")[0].strip() for line in first] == ["make demo", "make test"]
 
 
+def test_readme_is_a_front_door():
+    """Short, and a map of docs/: every doc file is linked from the README's Docs section."""
+    assert len(README.read_bytes()) < 12_000
+    docs_section = README.read_text().split("\n## Docs\n", 1)[1].split("\n## ", 1)[0]
+    linked = set(re.findall(r"\]\(docs/([^)#]+\.md)\)", docs_section))
+    assert linked == {p.name for p in DOCS.glob("*.md")}
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading.strip().lower())
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def _unfenced(text: str) -> str:
+    """Markdown without its fenced code blocks."""
+    return re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+
+
+def _prose(text: str) -> str:
+    """Markdown without fenced code blocks and inline code spans."""
+    return re.sub(r"`[^`\n]*`", "", _unfenced(text))
+
+
+def _anchors(path: Path) -> set[str]:
+    seen: dict[str, int] = {}
+    for heading in re.findall(r"^#{1,6} (.+)$", _unfenced(path.read_text()), flags=re.M):
+        slug = _slug(heading)
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+    return {s if i == 0 else f"{s}-{i}" for s, n in seen.items() for i in range(n)}
+
+
+def test_relative_links_resolve():
+    """Every relative link of the README and docs/ names a file that exists, and an anchor
+    into a Markdown file names one of its headings."""
+    broken = []
+    for doc in [README, *sorted(DOCS.glob("*.md"))]:
+        for target in re.findall(r"\]\(([^)\s]+)\)", _prose(doc.read_text())):
+            if re.match(r"[a-z]+:", target):
+                continue  # http(s), mailto
+            path, _, anchor = target.partition("#")
+            file = (doc.parent / path).resolve() if path else doc
+            if not file.exists():
+                broken.append(f"{doc.relative_to(ROOT)}: {target} (no such file)")
+            elif anchor and file.suffix == ".md" and anchor not in _anchors(file):
+                broken.append(f"{doc.relative_to(ROOT)}: {target} (no such heading)")
+    assert not broken, "\n".join(broken)
+
+
 def test_cli_tour_runs_as_written(tmp_path):
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    commands = [c for c in _block("<!-- tour", "bash").splitlines() if c.strip()]
+    env = _env()
+    commands = [c for c in _block("<!-- tour", "bash", CLI).splitlines() if c.strip()]
     assert len(commands) >= 10
     out = {}
     for cmd in commands:
@@ -47,12 +112,25 @@ def test_cli_tour_runs_as_written(tmp_path):
 
 
 def test_python_examples_run(tmp_path, monkeypatch):
+    """The README's Python example, the README's look-inside commands on the store it wrote,
+    then the Replay example of docs/training.md on that store."""
     monkeypatch.chdir(tmp_path)
     exec(compile(_block("## Python", "python"), "README.md", "exec"), {})
     from rolloutstore import RolloutStore
 
     assert RolloutStore.open(tmp_path / "runs/demo/store").count() == 1
-    exec(compile(_block("## Replay", "python"), "README.md", "exec"), {})
+    env = _env()
+    commands = [c for c in _block("<!-- look-inside", "bash").splitlines() if c.strip()]
+    assert len(commands) == 3
+    out = []
+    for cmd in commands:
+        p = subprocess.run(cmd, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True)
+        assert p.returncode == 0, f"{cmd}\n{p.stdout}\n{p.stderr}"
+        out.append(p.stdout)
+    assert "rollouts   1 in 1 groups" in out[0]
+    assert "policy_version" in out[1] and "(1 rows)" in out[1]
+    assert "<rollout_id>" in out[2] and "(1 rows)" in out[2]  # the example's record_usage
+    exec(compile(_block("\n## Replay\n", "python", TRAINING), "docs/training.md", "exec"), {})
     assert (
         RolloutStore.open(tmp_path / "runs/demo/store")
         .sql("SELECT count(*) AS n FROM usage")["n"][0]
@@ -61,14 +139,27 @@ def test_python_examples_run(tmp_path, monkeypatch):
     )
 
 
+def test_config_table_matches_defaults():
+    """Each row of the README's config table names a real key and its default (an empty
+    TOML file's value)."""
+    from trainer.config import TrainConfig
+
+    table = README.read_text().split("<!-- config-table", 1)[1].split("\n\n", 1)[0]
+    rows = re.findall(r"^\| `\[(\w+)\] (\w+)` \| (.+?) \|", table, flags=re.M)
+    assert len(rows) >= 10
+    defaults = TrainConfig.from_dict({})
+    for section, key, cell in rows:
+        want = None if cell == "unset" else tomllib.loads(f"v = {cell.strip('`')}")["v"]
+        assert getattr(getattr(defaults, section), key) == want, f"[{section}] {key}"
+
+
 def test_own_model_and_data_runs_as_written(tmp_path):
-    """The "Your own model and data" commands, from a folder that has the repository's tools."""
-    root = README.parent
-    (tmp_path / "tools").symlink_to(root / "tools")
-    (tmp_path / "my-run.toml").write_text(_block("<!-- own-data", "toml"))
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
-    commands = [c for c in _block("<!-- own-data", "bash").splitlines() if c.strip()]
+    """The "Your own model and data" commands of docs/training.md, from a folder that has the
+    repository's tools."""
+    (tmp_path / "tools").symlink_to(ROOT / "tools")
+    (tmp_path / "my-run.toml").write_text(_block("<!-- own-data", "toml", TRAINING))
+    env = _env(repo_on_path=True)
+    commands = [c for c in _block("<!-- own-data", "bash", TRAINING).splitlines() if c.strip()]
     assert len(commands) == 4
     for cmd in commands:
         p = subprocess.run(cmd, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True)
@@ -83,14 +174,12 @@ def test_own_model_and_data_runs_as_written(tmp_path):
 
 
 def test_multiturn_commands_run_as_written(tmp_path):
-    """The "Multi-turn trajectories" commands, from a folder with the repository's tools and
-    test data."""
-    root = README.parent
-    (tmp_path / "tools").symlink_to(root / "tools")
-    (tmp_path / "tests").symlink_to(root / "tests")
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
-    commands = [c for c in _block("<!-- multiturn", "bash").splitlines() if c.strip()]
+    """The commands of docs/multiturn.md, from a folder with the repository's tools and test
+    data."""
+    (tmp_path / "tools").symlink_to(ROOT / "tools")
+    (tmp_path / "tests").symlink_to(ROOT / "tests")
+    env = _env(repo_on_path=True)
+    commands = [c for c in _block("<!-- multiturn", "bash", MULTITURN).splitlines() if c.strip()]
     assert len(commands) == 7
     out = []
     for cmd in commands:
