@@ -98,7 +98,7 @@ def test_cli_tour_runs_as_written(tmp_path):
         p = subprocess.run(cmd, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True)
         assert p.returncode == 0, f"{cmd}\n{p.stdout}\n{p.stderr}"
         out.setdefault(" ".join(cmd.split()[:2]), []).append(p.stdout)
-    assert "generated 64 rollouts" in out["rolloutstore generate"][0]
+    assert "generated 64 rollouts" in out["rolloutstore-train generate"][0]
     assert "rollouts   2,000 in" in out["rolloutstore stats"][0]  # stats after the ingest
     assert '{"n": 2000}' in out["rolloutstore sql"][-1]  # the query of version 2
     assert "(8 rows)" in out["rolloutstore sample"][0]

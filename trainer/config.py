@@ -346,7 +346,7 @@ class TrainConfig:
         return self.run.run_id or Path(self.run.dir).name
 
 
-# Scale-out (README "Scaling out"): the store and the weights on an object store, read by the
+# Scale-out (docs/scaling.md): the store and the weights on an object store, read by the
 # learner and by every actor; storage options (Lance keys) as a JSON object. The config's
 # [run] store / weights win over the variables; credentials stay in the environment.
 STORE_ENV = "ROLLOUTSTORE_STORE_URI"
