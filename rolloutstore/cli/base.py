@@ -75,6 +75,8 @@ def add_debug_flag(parser: argparse.ArgumentParser, commands) -> None:
     """``--debug`` before the command and after it (``commands``: the add_subparsers object)."""
     parser.add_argument("--debug", action="store_true", help="show tracebacks of errors")
     for sub in commands.choices.values():
+        if sub.prefix_chars != "-":  # a placeholder that takes no options
+            continue
         sub.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                          help="show tracebacks of errors")  # fmt: skip
 

@@ -160,8 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_query_commands(sub)
     add_maintenance_commands(sub)  # stats ... demo: cli/maintain.py
     for name, where in MOVED.items():
-        p = sub.add_parser(name, help=f"moved: {where}", add_help=False)
-        p.add_argument("rest", nargs=argparse.REMAINDER)
+        # No options of its own: whatever follows (--help too) gets the one-line answer.
+        p = sub.add_parser(name, help=f"moved: {where}", add_help=False, prefix_chars="\0")
+        p.add_argument("rest", nargs="*")
         p.set_defaults(func=lambda a, name=name, where=where: _moved(name, where))
     add_debug_flag(ap, sub)
     return ap
