@@ -15,7 +15,6 @@ rolloutstore-train ingest STORE FILE --from verl|trl|openai --score-with MODEL_D
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tomllib
 from pathlib import Path
@@ -23,7 +22,7 @@ from pathlib import Path
 from rolloutstore.cli.base import Parser, add_debug_flag, run_main
 from rolloutstore.cli.base import is_user_error as base_is_user_error
 from trainer.config import ConfigError, TrainConfig
-from trainer.errors import RunDirError, TrainerError
+from trainer.errors import TrainerError
 
 
 def _apply_sets(data: dict, sets: list[str]) -> dict:
@@ -98,21 +97,11 @@ def cmd_actor(a) -> None:
 
 
 def cmd_resume(a) -> None:
+    from trainer.run.resume import effective_config, read_run_meta
     from trainer.run.sync import train
 
-    meta_path = Path(a.run_dir) / "run.json"
-    if not meta_path.is_file():
-        raise RunDirError(
-            f"{a.run_dir} holds no run to resume (no run.json); start one with "
-            f"`rolloutstore-train train CONFIG.toml`"
-        )
-    try:
-        meta = json.loads(meta_path.read_text())
-    except json.JSONDecodeError as exc:
-        raise RunDirError(
-            f"{meta_path} is not valid JSON ({exc}); the run folder is damaged"
-        ) from exc
-    data = _apply_sets(meta["config"], a.set)
+    # The config the run last ran with (its newest resume's), plus this resume's --set.
+    data = _apply_sets(effective_config(read_run_meta(a.run_dir)), a.set)
     data.setdefault("run", {})["dir"] = str(a.run_dir)
     cfg = TrainConfig.from_dict(data)
     _summary(train(cfg, resume=True, progress=not a.quiet))
@@ -160,7 +149,8 @@ def _add_resume(sub) -> None:
         action="append",
         default=[],
         metavar="SECTION.KEY=VALUE",
-        help="e.g. run.steps=80 to train further",
+        help="e.g. run.steps=80 to train further; a changed [optim] or [model] key applies "
+        "from the next step or is refused, naming why",
     )
     p.add_argument("-q", "--quiet", action="store_true")
     p.set_defaults(func=cmd_resume)

@@ -200,7 +200,10 @@ def test_resume_after_a_kill_equals_the_uninterrupted_run(tmp_path, monkeypatch,
 
 
 def test_resume_refuses_a_checkpoint_of_the_other_kind(tmp_path, run, llama):
-    """Adapters-only checkpoints need [model.lora]; full ones refuse it (one clear line)."""
+    """Adapters-only checkpoints need [model.lora]; full ones refuse it (one clear line).
+
+    A resume refuses the change itself, before it writes anything; a run.json that does not
+    match its checkpoints (here edited) is refused when the checkpoint is restored."""
     from trainer.errors import CheckpointError
 
     copy = tmp_path / "run"
@@ -208,11 +211,19 @@ def test_resume_refuses_a_checkpoint_of_the_other_kind(tmp_path, run, llama):
     cfg = _config(copy, llama)
     data = cfg.to_dict()
     plain = TrainConfig.from_dict({**data, "model": {**data["model"], "lora": None}})
-    with pytest.raises(CheckpointError, match=r"LoRA adapters only.*without \[model.lora\]"):
-        T.train(plain.with_run(steps=STEPS + 1), resume=True, progress=False)
     other = _config(copy, llama, target_modules=["q_proj"])
-    with pytest.raises(CheckpointError, match=r"adapters do not fit"):
+    with pytest.raises(ConfigError, match=r"resume cannot change \[model\]\.lora \("):
+        T.train(plain.with_run(steps=STEPS + 1), resume=True, progress=False)
+    with pytest.raises(ConfigError, match=r"resume cannot change \[model.lora\]\.target_modules"):
         T.train(other.with_run(steps=STEPS + 1), resume=True, progress=False)
+    meta = json.loads((copy / "run.json").read_text())
+    for edited, match in (
+        (plain, r"LoRA adapters only.*without \[model.lora\]"),
+        (other, r"adapters do not fit"),
+    ):
+        (copy / "run.json").write_text(json.dumps({**meta, "config": edited.to_dict()}))
+        with pytest.raises(CheckpointError, match=match):
+            T.train(edited.with_run(steps=STEPS + 1), resume=True, progress=False)
 
 
 def test_an_actor_loads_the_merged_published_weights(tmp_path, run, llama):

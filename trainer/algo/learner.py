@@ -325,7 +325,8 @@ class Learner:
         return learner_state.learner_state(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` (sharded: from the full state, on every rank)."""
+        """Restore :meth:`state_dict` (sharded: from the full state, on every rank); this
+        learner's ``optim_cfg`` lr, weight decay, betas and eps win over the saved ones."""
         learner_state.load_learner_state(self, state)
 
     # -- internals -------------------------------------------------------------------------

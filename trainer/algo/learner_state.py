@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from trainer.algo.optim import apply_optim_config
 from trainer.models.lora import generator_state
 
 if TYPE_CHECKING:
@@ -65,7 +66,8 @@ def learner_state(learner: Learner) -> dict[str, Any]:
 
 
 def load_learner_state(learner: Learner, state: dict[str, Any]) -> None:
-    """Restore :func:`learner_state` (sharded: from the full state, on every rank)."""
+    """Restore :func:`learner_state` (sharded: from the full state, on every rank), with the
+    learner's ``optim_cfg`` hyperparameters applied to the restored AdamW and LR schedule."""
     saved = bool(state.get("sharded", False))
     if saved != learner.sharded:
         # The optimizer state is keyed by parameter name when sharded, by index otherwise.
@@ -89,6 +91,8 @@ def load_learner_state(learner: Learner, state: dict[str, Any]) -> None:
         learner.model.load_state_dict(state["model"])
         learner.optimizer.load_state_dict(state["optimizer"])
     learner.scheduler.load_state_dict(state["scheduler"])
+    # The learner's own [optim] wins over the saved hyperparameters (a resume may change lr).
+    apply_optim_config(learner.optimizer, learner.scheduler, learner.optim_cfg)
     learner.policy_version = int(state["policy_version"])
     learner.steps_done = int(state["steps_done"])
     torch.set_rng_state(state["torch_rng"])

@@ -1,5 +1,6 @@
-"""The learner's optimisation settings (AdamW, the LR schedule, accumulation and memory) and
-the AdamW + LR schedule they build (:func:`build_adamw`)."""
+"""The learner's optimisation settings (AdamW, the LR schedule, accumulation and memory), the
+AdamW + LR schedule they build (:func:`build_adamw`), and how they apply to restored AdamW and
+schedule state (:func:`apply_optim_config`: a resume with a changed ``[optim]``)."""
 
 from __future__ import annotations
 
@@ -129,14 +130,36 @@ def build_adamw(model: Any, cfg: OptimConfig) -> tuple[list[Any], Any, Any]:
     no_decay = [p for p in params if p.dim() < 2]
     optimizer = torch.optim.AdamW(
         [
-            {"params": decay, "weight_decay": cfg.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
+            {"params": group, "weight_decay": wd}
+            for group, wd in zip((decay, no_decay), _group_weight_decay(cfg))
         ],
         lr=cfg.lr,
         betas=cfg.betas,
         eps=cfg.eps,
     )
     return params, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, cfg.lr_factor)
+
+
+def apply_optim_config(optimizer: Any, scheduler: Any, cfg: OptimConfig) -> None:
+    """Give restored AdamW and LR-schedule state ``cfg``'s hyperparameters (lr, weight decay,
+    betas, eps), as :func:`build_adamw` would have.
+
+    The schedule keeps the step it reached and continues from ``cfg.lr``: its base lrs become
+    ``cfg.lr`` and each group's current lr ``cfg.lr * cfg.lr_factor(step)``, so the next
+    optimizer step already uses the new value. AdamW's moments are kept. With the config the
+    state was saved under this changes no bit (the schedule computes the same product)."""
+    factor = cfg.lr_factor(scheduler.last_epoch)
+    for group, wd in zip(optimizer.param_groups, _group_weight_decay(cfg), strict=True):
+        group.update(
+            lr=cfg.lr * factor, initial_lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=wd
+        )
+    scheduler.base_lrs = [cfg.lr] * len(optimizer.param_groups)
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+
+
+def _group_weight_decay(cfg: OptimConfig) -> tuple[float, float]:
+    """Weight decay of build_adamw's two parameter groups: matrices, then gains and biases."""
+    return cfg.weight_decay, 0.0
 
 
 def _is_int(value: Any) -> bool:

@@ -29,6 +29,7 @@ from trainer.run.checkpoint import (
     saved_state,
 )
 from trainer.run.distributed import Dist, shard_learner, wrap_learner
+from trainer.run.resume import note_resume
 from trainer.tasks.chat import render_prompts
 
 
@@ -137,7 +138,8 @@ def setup_learner(
     the loader yields this rank's share of each step and the learner is DDP-wrapped (or,
     with ``run.fsdp``, sharded before the restore, which then re-shards the full checkpoint).
     With ``[model.lora]`` the model carries peft adapters before the warm start, so both the
-    warm start and the learner train only them.
+    warm start and the learner train only them. A resume is recorded in run.json and named in
+    one printed line (:func:`trainer.run.resume.note_resume`).
     """
     r = cfg.run
     d = dist or Dist()
@@ -174,6 +176,8 @@ def setup_learner(
         trainer_state, state = ckpt.restore(None if r.fsdp else learner.model)
         learner.load_state_dict(trainer_state["learner"])
         loader.load_state_dict(state["loader"])
+    if resume and d.is_main:
+        note_resume(run_dir, cfg, ckpt)  # run.json's record, one line naming the checkpoint
     if not r.fsdp:
         wrap_learner(learner, d)
     return learner, loader, state
