@@ -30,6 +30,7 @@ from trainer.rollout.pipeline import generate_rollouts, resolve_backend
 from trainer.rollout.policy import actor_policy
 from trainer.rollout.weights import fetch_weights, latest_weights, read_text
 from trainer.run.faults import actor_crash
+from trainer.run.resume import effective_config
 
 POLL_SECONDS = 0.2  # sleep while waiting for rows (learner) or weights (actor)
 
@@ -84,7 +85,7 @@ def _actor_source(
     if not isinstance(source, TrainConfig) and (Path(source) / "run.json").is_file():
         run_dir = Path(source).resolve()
         meta = json.loads((run_dir / "run.json").read_text())
-        cfg = TrainConfig.from_dict(meta["config"])
+        cfg = TrainConfig.from_dict(effective_config(meta))  # as of the newest resume
         weights = weights_dir or configured_location(cfg, "weights") or run_dir / "weights"
         store = store_uri or configured_location(cfg, "store") or str(run_dir / "store")
         return cfg, meta, store, weights, Path(state_dir or run_dir / "actors"), run_dir

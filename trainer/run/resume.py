@@ -18,7 +18,7 @@ resumed step or is refused before anything in the run folder is written
               from the checkpoint
 
 Keys of the other sections apply as the loop reads them (e.g. ``run.steps``), unchecked;
-async actors the learner starts read run.json's ``config`` (the config the run started with).
+async actors the learner starts read the effective config (the newest resume's, as the learner).
 
 ``run.json`` keeps ``config``, the config the run started with, and gains a ``resumes`` list:
 one entry per resume with its time, the checkpoint and step it continued from, the keys it
