@@ -53,7 +53,6 @@ from rolloutstore.store.gc import (
     references_any,
 )
 from rolloutstore.store.layout import ROLLOUTS, USAGE, disk_full, exists, is_local, join
-from rolloutstore.store.side_tables import USAGE_MAX_FRAGMENTS  # noqa: F401  (imported from here by tests)
 from rolloutstore.store.unique import IdCheck, OnDuplicate, gives_ids
 
 

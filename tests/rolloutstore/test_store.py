@@ -259,7 +259,7 @@ def test_compression_beats_parquet_zstd(tmp_path):
 
 
 def test_usage_log_stays_compact_and_keeps_every_row(store):
-    from rolloutstore.store.log import USAGE_MAX_FRAGMENTS
+    from rolloutstore.store.side_tables import USAGE_MAX_FRAGMENTS
 
     store.append(make_rows(3))
     ids = store.sql("SELECT rollout_id FROM rollouts")["rollout_id"].to_pylist()
