@@ -29,7 +29,7 @@ User filters (``sample --where``, ``ReplayConfig.where``, ``export --where``,
 the text as exactly one expression over known columns, with no subquery, comment,
 file- or settings-reading function, and only ``?`` placeholders for values.
 
-Query limits (:mod:`rolloutstore.query.limits`, re-exported here): :func:`limits` bounds a
+Query limits (:mod:`rolloutstore.query.limits`): :func:`limits` bounds a
 query by ``timeout`` seconds (a watchdog thread calls ``DuckDBPyConnection.interrupt()``),
 and while :func:`sigint_interrupts` is active (the CLI), Ctrl-C interrupts the running
 query at once instead of when it ends.
@@ -48,7 +48,7 @@ import duckdb
 import pyarrow as pa
 
 from rolloutstore.errors import QueryError
-from rolloutstore.query.limits import interrupt_all, limits, sigint_interrupts  # noqa: F401  (re-exported)
+from rolloutstore.query.limits import limits
 
 # The default limit of the CLI's `sql` and `export --where` (seconds; the API default is none).
 DEFAULT_TIMEOUT = 300.0
