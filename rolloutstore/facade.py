@@ -11,22 +11,13 @@ re-scoring and export. Each method is a typed front for one module below.
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any
 
-from rolloutstore.io.export import ExportFormat, ExportResult, ExportShape, export
+from rolloutstore.io.export import export
 from rolloutstore.retention.evict import evict_rows
 from rolloutstore.retention.policy import RetentionConfig, RetentionReport
-from rolloutstore.retention.rescore import (
-    AdvantageFn,
-    RescoreResult,
-    Scorer,
-    newest_rewards,
-    rescore,
-)
+from rolloutstore.retention.rescore import newest_rewards, rescore
 from rolloutstore.store.log import RolloutLog
 from rolloutstore.store.stats import store_stats
 
@@ -74,49 +65,8 @@ class RolloutStore(RolloutLog):
         left = after.count_rows()
         return EvictResult(before - left, left, after.version, report)
 
-    def stats(self) -> dict[str, Any]:
-        """Size, tokens, compression, policy-version histogram, reward by version, reuse."""
-        return store_stats(self)
-
-    def rescore(
-        self,
-        scorer: Scorer | Callable[[dict[str, Any]], Any] | Any,
-        *,
-        advantage_fn: AdvantageFn | None = None,
-        where: str | None = None,
-        params: Sequence[Any] | None = None,
-        from_task: str | None = None,
-        note: str | None = None,
-        progress: bool = False,
-    ) -> RescoreResult:
-        """Re-score stored rollouts under a new ``reward_version``; token columns are never
-        rewritten. ``scorer``: a :class:`~rolloutstore.retention.rescore.Scorer`, a callable
-        ``row -> reward`` or an object with ``score(row)``; a task comes through
-        ``trainer.store_commands.task_scorer``. See :mod:`rolloutstore.retention.rescore`."""
-        return rescore(
-            self, scorer, advantage_fn=advantage_fn, where=where, params=params,
-            from_task=from_task, note=note, progress=progress,
-        )  # fmt: skip
-
-    def export(
-        self,
-        out: str | os.PathLike,
-        *,
-        format: ExportFormat | None = None,
-        where: str | None = None,
-        params: Sequence[Any] | None = None,
-        columns: Sequence[str] | None = None,
-        as_: ExportShape = "rollouts",
-        min_reward: float | None = None,
-        min_margin: float | None = None,
-        progress: bool = True,
-        timeout: float | None = None,
-        tokenizer: str | os.PathLike | None = None,
-    ) -> ExportResult:
-        """Stream rows (``as_="rollouts"|"sft"|"dpo"|"messages"``) to Parquet, JSONL(.zst) or
-        a HF dataset folder; see :func:`rolloutstore.io.export.export`."""
-        return export(
-            self, out, format=format, where=where, params=params, columns=columns, as_=as_,
-            min_reward=min_reward, min_margin=min_margin, progress=progress, timeout=timeout,
-            tokenizer=tokenizer,
-        )  # fmt: skip
+    # The operations built on the log are their modules' functions (store first), bound as
+    # methods: one typed signature and docstring each, never a copy or an untyped **options.
+    stats = store_stats
+    rescore = rescore
+    export = export
