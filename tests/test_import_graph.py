@@ -1,7 +1,7 @@
 """The package floor plan holds: no import cycles, and each layer imports only those below it.
 
-Every import counts, the lazy ones inside functions too (they are dependencies all the same);
-only ``if TYPE_CHECKING:`` blocks are skipped.
+Every import counts: the lazy ones inside functions and the type-only ones under
+``if TYPE_CHECKING:`` too (they are dependencies all the same).
 """
 
 from __future__ import annotations
@@ -36,13 +36,6 @@ def _modules() -> dict[str, Path]:
     return out
 
 
-def _is_type_checking(node: ast.If) -> bool:
-    t = node.test
-    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or (
-        isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING"
-    )
-
-
 def _imports(name: str, path: Path, known: set[str]) -> set[str]:
     tree = ast.parse(path.read_text())
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
@@ -54,10 +47,6 @@ def _imports(name: str, path: Path, known: set[str]) -> set[str]:
         return mod or None
 
     def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _is_type_checking(node):
-            for child in node.orelse:
-                visit(child)
-            return
         if isinstance(node, ast.Import):
             for alias in node.names:
                 if (m := resolve(alias.name)) is not None:
