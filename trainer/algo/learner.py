@@ -14,10 +14,10 @@ or packed batch dict, or the list of micro-batch dicts the loader yields when it
 3. clip the global grad norm, AdamW step, LR schedule step, ``policy_version += 1``.
 
 PPO epochs (``OptimConfig.ppo_epochs`` x ``mini_batches`` > 1, single learner only;
-:mod:`trainer.algo.epochs`): the drawn batch is scored once with the current weights (pi_old),
-then each of its mini-batches is one optimizer step (steps 2 and 3 without the schedule), for
-``ppo_epochs`` passes; ``policy_version``, ``steps_done`` and the LR schedule advance once per
-*drawn batch*.
+``Learner._ppo_updates``, its plan and helpers in :mod:`trainer.algo.epochs`): the drawn batch
+is scored once with the current weights (pi_old), then each of its mini-batches is one optimizer
+step (steps 2 and 3 without the schedule), for ``ppo_epochs`` passes; ``policy_version``,
+``steps_done`` and the LR schedule advance once per *drawn batch*.
 
 Distributed (``trainer.run.distributed``): with ``learner.ddp`` set to a DDP-wrapped
 :class:`trainer.run.distributed.LogProbModule` of the model, each rank steps on its share of the
@@ -28,7 +28,7 @@ With ``learner.sharded`` (``[run] fsdp``, :func:`trainer.run.distributed.shard_l
 is an FSDP2 module instead: the same step, but each rank holds and updates a shard of the
 weights, gradients and AdamW moments; :meth:`Learner.state_dict` and
 :meth:`Learner.full_weights` then gather (collectives: call them on every rank;
-:mod:`trainer.algo.learner_state`).
+:mod:`trainer.algo.learner_state` does it on the learner's model, optimizer and wrapper).
 
 Packed micro-batches are scored as one row (the model isolates the packed sequences through the
 restarting ``position_ids``) and the per-token results are then scattered into a per-sequence
@@ -65,11 +65,17 @@ from torch import Tensor
 from trainer.algo import learner_state
 from trainer.algo.batching import is_packed, num_sequences, split_packed, split_padded, unpack_index
 from trainer.algo.behavior import batch_rows, check_logprobs_modes, sampling_kwargs
-from trainer.algo.epochs import mean_updates, mini_batch_plan, ppo_updates
+from trainer.algo.epochs import (
+    mean_updates,
+    mini_batch_plan,
+    old_logprob_grids,
+    pieces,
+    sequence_offsets,
+)
 from trainer.algo.logprobs import packed_target_mask, sequence_logprobs
 from trainer.algo.loss import LossConfig, policy_loss
 from trainer.algo.loss_config import MAX_METRICS
-from trainer.algo.optim import OptimConfig, build_adamw
+from trainer.algo.optim import OptimConfig, apply_optim_config, build_adamw
 
 __all__ = ["Learner"]
 
@@ -167,10 +173,10 @@ class Learner:
         """One learner step on one replay item; returns plain-float metrics.
 
         By default (``OptimConfig.ppo_epochs = mini_batches = 1``) one optimizer step on the
-        whole item. Otherwise see :func:`trainer.algo.epochs.ppo_updates`: ``ppo_epochs *
-        mini_batches`` optimizer steps on mini-batches of it, and the metrics are means over
-        those updates (``is_weight_max`` / ``ratio_max_dev`` maxima, ``skipped`` a count); the
-        per-update metrics are kept in ``self.update_metrics``.
+        whole item. Otherwise (:meth:`_ppo_updates`) ``ppo_epochs * mini_batches`` optimizer
+        steps on mini-batches of it, and the metrics are means over those updates
+        (``is_weight_max`` / ``ratio_max_dev`` maxima, ``skipped`` a count); the per-update
+        metrics are kept in ``self.update_metrics``.
 
         Metrics: ``loss`` and every :class:`trainer.algo.loss.LossOutput` diagnostic (token-weighted
         means over micro-batches; ``is_weight_max`` and ``ratio_max_dev`` their max; ``ess_frac``
@@ -189,7 +195,7 @@ class Learner:
             grad_norm, lr, skipped = self._update()
             updates = [{**sums, "grad_norm": grad_norm, "skipped": float(skipped)}]
         else:
-            updates, staleness_sum, lr = ppo_updates(self, mbs)
+            updates, staleness_sum, lr = self._ppo_updates(mbs)
         self.update_metrics = updates
         applied = sum(u["skipped"] == 0.0 for u in updates)
         if applied:
@@ -258,10 +264,59 @@ class Learner:
             self.optimizer.step()
         return grad_norm, lr, skipped
 
-    def _mini_batch_plan(self, n_seqs: int, epoch: int) -> list[np.ndarray]:
-        """Epoch ``epoch``'s mini-batches of global sequence indices (sorted; none empty)."""
+    def _ppo_updates(self, mbs: list[dict[str, Any]]) -> tuple[list[dict], float, float]:
+        """``ppo_epochs`` passes of ``mini_batches`` optimizer steps over one drawn batch.
+
+        pi_old: before the first update every sequence is scored once with the current weights
+        (eval mode, no grad), on exactly the tensors of the first epoch's mini-batches, so the
+        first mini-batch's ratio pi_theta / pi_old is exactly 1; tis / icepop / decoupled use
+        these log-probs as ``prox_logp``. The sequences of a pass are split by a permutation
+        drawn from ``(seed, steps_done, epoch)``, so a resumed learner repeats the order.
+
+        Returns (per-update metrics, staleness sum, the last update's lr).
+        """
+        if self.ddp is not None:
+            raise ValueError(
+                "[optim] ppo_epochs / mini_batches > 1 are single-learner for now (ranks would "
+                "need equal mini-batches); under torchrun keep them at 1"
+            )
         oc = self.optim_cfg
-        return mini_batch_plan(oc.seed, self.steps_done, epoch, n_seqs, oc.mini_batches)
+        offsets = sequence_offsets(mbs)
+        n_seqs = int(offsets[-1])
+        plans = [
+            mini_batch_plan(oc.seed, self.steps_done, e, n_seqs, oc.mini_batches)
+            for e in range(oc.ppo_epochs)
+        ]
+        mbs = self._with_old_logprobs(mbs, offsets, plans[0])
+        updates, staleness_sum, lr = [], 0.0, 0.0
+        for plan in plans:
+            for part in plan:
+                subs = pieces(mbs, offsets, part)
+                tokens = sum(int(self._target_mask(mb).sum()) for mb in subs)
+                sums, stal = self._accumulate(subs, tokens, len(part))
+                grad_norm, lr, skipped = self._update()
+                updates.append({**sums, "grad_norm": grad_norm, "skipped": float(skipped)})
+                staleness_sum += stal / oc.ppo_epochs  # every sequence once per epoch
+        return updates, staleness_sum, lr
+
+    @torch.no_grad()
+    def _with_old_logprobs(
+        self, mbs: list[dict[str, Any]], offsets: np.ndarray, plan: list[np.ndarray]
+    ) -> list[dict[str, Any]]:
+        """The micro-batches with an ``old_logprobs`` ``(n, L-1)`` grid of the current weights."""
+        grids = old_logprob_grids(mbs)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            # Scored on the first epoch's pieces: the tensors its first update will see.
+            for part in plan:
+                for i, local, sub in pieces(mbs, offsets, part, with_index=True):
+                    with self._autocast():
+                        logp = self._logprobs(self.model, self._to_device(sub), entropy=False)[0]
+                    grids[i][torch.from_numpy(local), : logp.shape[1]] = logp.float().cpu()
+        finally:
+            self.model.train(was_training)
+        return [{**mb, "old_logprobs": g} for mb, g in zip(mbs, grids)]
 
     def _clip_grad_norm(self) -> Tensor:
         max_norm = self.optim_cfg.grad_clip if self.optim_cfg.grad_clip else math.inf
@@ -314,7 +369,9 @@ class Learner:
         Sharded, this is a collective: every rank must call it; rank 0 gets the tensors, the
         others ``{}`` unless ``all_ranks``.
         """
-        return learner_state.full_weights(self, all_ranks=all_ranks)
+        return learner_state.full_weights(
+            self.model, self.ddp, sharded=self.sharded, all_ranks=all_ranks
+        )
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue bit-for-bit: weights, AdamW, schedule, version, RNG.
@@ -322,12 +379,31 @@ class Learner:
         Sharded: a collective; rank 0 gets the full weights and optimizer state, the other
         ranks empty ones (only rank 0 writes checkpoints).
         """
-        return learner_state.learner_state(self)
+        model, optim = learner_state.gather_state(
+            self.model, self.optimizer, self.ddp, sharded=self.sharded
+        )
+        return {
+            "model": model,
+            "optimizer": optim,
+            "sharded": self.sharded,
+            "scheduler": self.scheduler.state_dict(),
+            "policy_version": self.policy_version,
+            "steps_done": self.steps_done,
+            **learner_state.rng_state(self.device),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (sharded: from the full state, on every rank); this
         learner's ``optim_cfg`` lr, weight decay, betas and eps win over the saved ones."""
-        learner_state.load_learner_state(self, state)
+        learner_state.restore_state(
+            self.model, self.optimizer, self.ddp, state, sharded=self.sharded
+        )
+        self.scheduler.load_state_dict(state["scheduler"])
+        # The learner's own [optim] wins over the saved hyperparameters (a resume may change lr).
+        apply_optim_config(self.optimizer, self.scheduler, self.optim_cfg)
+        self.policy_version = int(state["policy_version"])
+        self.steps_done = int(state["steps_done"])
+        learner_state.restore_rng(state, self.device)
 
     # -- internals -------------------------------------------------------------------------
     def _micro_batches(
