@@ -229,6 +229,28 @@ class ReplayDataset(IterableDataset):
         self.start_step = int(state["step"])
         self._yielded = 0
 
+    def retarget(
+        self, *, store: RolloutStore | None = None, config: ReplayConfig | None = None
+    ) -> None:
+        """Draw from ``store`` and/or with ``config`` from the next step not yet taken (a
+        resumed run's store snapshot moving on, a controller moving ``fresh_fraction``).
+        The seed stays: draws remain functions of (seed, step, store, config). An iterator
+        made before this call still draws the old way: replace it with :meth:`restart`."""
+        if config is not None and config.seed != self.config.seed:
+            raise ValueError(
+                f"retarget keeps the loader's seed ({self.config.seed}), got {config.seed}"
+            )
+        self.store = store if store is not None else self.store
+        self.config = config if config is not None else self.config
+
+    def restart(self, it: Iterator | None = None) -> Iterator:
+        """A new iterator at the next step not yet taken (``it``, if given, is closed first:
+        batches it prefetched but nobody took are drawn again, identically)."""
+        if it is not None:
+            it.close()
+        self.load_state_dict(self.state_dict())
+        return iter(self)
+
     # -- iteration ---------------------------------------------------------------------
     def _version(self, step: int) -> int:
         lv = self.learner_version

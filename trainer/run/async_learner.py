@@ -210,8 +210,7 @@ def async_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True
             except EmptyBufferError:
                 # Not expected after the count above, but a failed draw ends the
                 # iterator; restart it at the same step and wait for rows.
-                loader.load_state_dict(loader.state_dict())
-                it = iter(loader)
+                it = loader.restart(it)
                 continue
             m = learner.step(batch)
             totals["train_seconds"] += time.perf_counter() - t0

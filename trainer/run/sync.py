@@ -145,7 +145,7 @@ class SyncLoop:
         d.barrier()  # rank 0's source imports are in the store before any rank draws
         # Draw from the store as the uninterrupted run did (see trainer.run.store_view).
         self.store_view = ResumeStoreView(self.store, self.run_id, state)
-        self.loader.store = self.store_view.store
+        self.loader.retarget(store=self.store_view.store)
         self.controller = None
         if cfg.control.enabled:
             self.controller = ReplayController(
@@ -153,8 +153,8 @@ class SyncLoop:
             )
         self.load_state_dict(state or {})
         fresh = self.controller.fresh if self.controller is not None else None
-        if fresh is not None and fresh != self.loader.config.fresh_fraction:
-            self.loader.config = replace(self.loader.config, fresh_fraction=fresh)
+        if fresh is not None and fresh != cfg.replay.fresh_fraction:
+            self.loader.retarget(config=replace(cfg.replay, fresh_fraction=fresh))
         # Rank 0 is the only generator and the only writer of metrics, checkpoints, weights.
         self.policy = self.metrics = self.generator = None
         if self.main:
@@ -242,13 +242,6 @@ class SyncLoop:
         spent = budget and self.totals["generated_tokens"] >= budget
         return self.step >= r.steps or bool(spent and self.step == self.next_round)
 
-    def _restart_loader(self) -> None:
-        # The selector reads its config and store when iteration starts: restart the
-        # iterator at the same step (draws are functions of the step).
-        self.it.close()
-        self.loader.load_state_dict(self.loader.state_dict())
-        self.it = iter(self.loader)
-
     def _sync_generator(self) -> None:
         # Every rank calls this: a sharded learner gathers its weights collectively.
         weights = self.learner.full_weights()
@@ -267,8 +260,8 @@ class SyncLoop:
                 decision = ctl.decide(self.rnd)
                 self.metrics.log("control", self.step, decision.record())
                 if decision.new_fresh != decision.old_fresh:
-                    self.loader.config = replace(self.loader.config, fresh_fraction=ctl.fresh)
-                    self._restart_loader()
+                    self.loader.retarget(config=replace(self.cfg.replay, fresh_fraction=ctl.fresh))
+                    self.it = self.loader.restart(self.it)
             y = ctl.updates
         self._sync_generator()
         if self.main:
@@ -281,8 +274,8 @@ class SyncLoop:
         self.d.barrier()  # every rank draws from the store version with this round in it
         if self.store_view.after_round(self.learner.policy_version):
             # Resume catching up: the snapshot moved on to just after this round.
-            self.loader.store = self.store_view.store
-            self._restart_loader()
+            self.loader.retarget(store=self.store_view.store)
+            self.it = self.loader.restart(self.it)
         self.next_round, self.rnd = self.step + y, self.rnd + 1
 
     def _learn(self) -> dict[str, Any]:
