@@ -129,6 +129,25 @@ def test_dataloader_workers_give_the_same_stream(store):
     assert all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(got, ref))
 
 
+def test_retarget_and_restart_draw_as_a_loader_built_that_way(store):
+    kw = dict(batch_size=6, learner_version=5, steps=5, record_usage=False, prefetch=2)
+    old, new = ReplayConfig(seed=3), ReplayConfig(seed=3, fresh_fraction=0.5, window=150)
+    ds = ReplayDataset(store.checkout(store.version - 1), old, **kw)
+    it = iter(ds)
+    head = [next(it)["rollout_ids"] for _ in range(2)]  # the prefetcher ran further ahead
+    ds.retarget(store=store, config=new)
+    tail = [b["rollout_ids"] for b in ds.restart(it)]
+    ref_head = [
+        b["rollout_ids"] for b in ReplayDataset(store.checkout(store.version - 1), old, **kw)
+    ]
+    ref_tail = ReplayDataset(store, new, **kw)
+    ref_tail.load_state_dict({"step": 2})
+    assert head == ref_head[:2] and tail == [b["rollout_ids"] for b in ref_tail]
+    assert tail != ref_head[2:]  # the new config and store are what drew them
+    with pytest.raises(ValueError, match="keeps the loader's seed"):
+        ds.retarget(config=ReplayConfig(seed=4))
+
+
 def test_pickles_as_uri_and_version(store):
     ds = ReplayDataset(
         store, ReplayConfig(seed=1), batch_size=3, learner_version=5, steps=2, record_usage=False
