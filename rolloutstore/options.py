@@ -31,18 +31,47 @@ def _unwrap_optional(tp):
     return tp
 
 
-def add_dataclass_args(parser: argparse.ArgumentParser, cls, *, skip: tuple[str, ...] = ()) -> None:
-    """One ``--field-name`` option per dataclass field, typed from its annotation."""
+def field_default(f: dataclasses.Field) -> Any:
+    """A dataclass field's default (its factory's value for mutable ones; None when required)."""
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return None
+
+
+def add_dataclass_args(
+    parser: argparse.ArgumentParser,
+    cls,
+    *,
+    skip: tuple[str, ...] = (),
+    only: tuple[str, ...] | None = None,
+    flags: dict[str, str] | None = None,
+    metavars: dict[str, str] | None = None,
+) -> None:
+    """One ``--field-name`` option per dataclass field, typed from its annotation, its help
+    the field's help text plus its default. Options left off the command line are absent from
+    the namespace, so :func:`dataclass_from_args` gives them the dataclass default: the CLI
+    and the config cannot disagree on one.
+
+    ``only`` / ``skip`` pick fields; ``flags`` renames (``{"name": "--task"}``); ``metavars``
+    names values in the usage line."""
     hints = typing.get_type_hints(cls)
+    flags, metavars = flags or {}, metavars or {}
     for f in dataclasses.fields(cls):
-        if f.name in skip:
+        if f.name in skip or (only is not None and f.name not in only):
             continue
         tp = _unwrap_optional(hints[f.name])
-        flag = "--" + f.name.replace("_", "-")
-        default = f.default if f.default is not dataclasses.MISSING else None
-        help_ = f"{f.metadata.get('help', '')} (default: {default})"
+        flag = flags.get(f.name, "--" + f.name.replace("_", "-"))
+        default = field_default(f)
+        # argparse %-formats help strings: a literal % in the text must be doubled.
+        text = f.metadata.get("help", "").replace("%", "%%")
+        help_ = f"{text} (default: {default})"
         kw: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": help_}
+        if f.name in metavars:
+            kw["metavar"] = metavars[f.name]
         if tp is bool:
+            kw.pop("metavar", None)
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
         elif get_origin(tp) is Literal:
             parser.add_argument(flag, choices=list(get_args(tp)), **kw)

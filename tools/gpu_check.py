@@ -138,8 +138,8 @@ def staleness0_gaps(run_dir: Path, model_dir: Path, cfg) -> tuple[torch.Tensor, 
                 model,
                 ids,
                 temperature=g.temperature,
-                top_k=g.top_k or None,
-                top_p=g.top_p if g.top_p < 1 else None,
+                top_k=g.top_k,  # None when off, as the learner takes it
+                top_p=g.top_p,
             ).logprobs[0, -n:]
         gaps.append((lp.float().cpu() - torch.tensor(r["behavior_logprobs"])).abs())
     return torch.cat(gaps), version

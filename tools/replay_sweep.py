@@ -191,9 +191,8 @@ def heldout(model_dir: Path, cfg: Any, sz: Sizing) -> dict[str, float]:
     )  # fmt: skip
     g, n = cfg.generation, sz.passk_samples
     rows = gen.generate(
-        [p.prompt_text for p in prompts], group_size=n, temperature=g.temperature,
-        top_p=g.top_p, top_k=g.top_k, max_tokens=g.max_tokens, seed=PASSK_SEED,
-    )  # fmt: skip
+        [p.prompt_text for p in prompts], **g.sampling(group_size=n, seed=PASSK_SEED).kwargs()
+    )
     correct = [0] * len(prompts)
     nll = tokens = 0.0
     for k, row in enumerate(rows):

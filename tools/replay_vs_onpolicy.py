@@ -154,6 +154,10 @@ def build_configs(
                 eval_every=eval_rollouts // rollouts,
             )
         replay = dict(d.get("replay", {}), seed=seed)
+        # One initial model and learner seed for every run seed, as the recorded runs had
+        # ([model] and [optim] seeds follow run.seed unless set).
+        d.setdefault("model", {}).setdefault("seed", 0)
+        d.setdefault("optim", {}).setdefault("seed", 0)
         loss = dict(d.get("loss", {}))
         if name == "onpolicy":
             replay.update(window=rollouts, max_uses=1, max_staleness=upr, diversity="none")

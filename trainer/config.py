@@ -11,7 +11,9 @@
     [run]         dir, seed, steps, updates per round, batch size, checkpoints, mode
 
 Unknown sections or keys and bad values fail before any work starts, naming
-``[section].key``.
+``[section].key``. The seeds of [model], [replay] and [optim] and ``[optim].total_steps``
+follow ``[run]`` (seed, steps) where a config leaves them unset (FOLLOW_RUN); a run.json holds
+the values they took.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import json
 import os
 import tomllib
 import typing
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -50,7 +53,7 @@ class ModelConfig:
     hidden_size: int = _h("tiny model: hidden size (head_dim 64 for vLLM on CPU)", 128)
     num_layers: int = _h("tiny model: layers", 2)
     vocab_size: int = _h("tiny model: tokenizer vocabulary", 512)
-    seed: int = _h("tiny model: init seed", 0)
+    seed: int | None = _h("tiny model: init seed (None: [run].seed)", None)
     dtype: Dtype = _h(
         "precision the model runs in: auto (bfloat16 on CUDA, float32 on CPU), float32, "
         "bfloat16, float16 (CUDA only); the learner keeps float32 weights and runs under "
@@ -67,7 +70,8 @@ class ModelConfig:
         "sdpa",
     )
     gradient_checkpointing: bool = _h(
-        "recompute activations in backward (less memory, ~30% slower learner steps)", False
+        "learner: recompute activations in backward (less memory, ~30% slower learner steps)",
+        False,
     )
     trust_remote_code: bool = _h(
         "run the model folder's own Python code (only for folders you trust)", False
@@ -89,6 +93,10 @@ class ModelConfig:
                     f"[model].{key} = {getattr(self, key)!r}: choose one of "
                     f"{', '.join(typing.get_args(kind))}"
                 )
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int)
+        ):
+            raise ConfigError(f"[model].seed must be an int, got {self.seed!r}")
         if not _valid_device(self.device):
             raise ConfigError(f"[model].device = {self.device!r}: choose auto, cpu, cuda or cuda:N")
         for key in ("gradient_checkpointing", "trust_remote_code"):
@@ -140,7 +148,7 @@ class TaskConfig:
         return with_tools(task, self.tools, demo_tool_fraction=float(self.tool_demos))
 
 
-def _check_turns(task: TaskConfig, generation: GenerationConfig) -> None:
+def check_turns(task: TaskConfig, generation: GenerationConfig) -> None:
     """Tools and turns go together: a tool result needs a model turn after it, and more than
     one turn needs something to answer between turns."""
     if task.tools and generation.max_turns < 2:
@@ -159,8 +167,14 @@ def _check_turns(task: TaskConfig, generation: GenerationConfig) -> None:
 class RunConfig:
     dir: str = _h("run folder: store, checkpoints, weights, metrics", "runs/arith")
     run_id: str = _h("run id recorded with rollouts (default: the folder name)", "")
-    seed: int = _h("seed of generation, selection and the learner", 0)
-    steps: int = _h("learner (optimizer) steps in total", 40)
+    seed: int = _h(
+        "seed of generation and evaluation; also [model].seed, [replay].seed and [optim].seed "
+        "where those are not set",
+        0,
+    )
+    steps: int = _h(
+        "learner steps (drawn batches) in total; also [optim].total_steps unless set", 40
+    )
     updates_per_round: int = _h("learner steps per generation round (sets the replay ratio)", 2)
     batch_size: int = _h("rollouts per learner step", 64)
     max_tokens_per_batch: int = _h(
@@ -223,6 +237,19 @@ SECTIONS: dict[str, type] = {
 # Keys that were renamed: (section, old key) -> new key. Old keys are refused, naming the new.
 RENAMED = {("replay.control", "max_staleness"): "max_mean_staleness"}
 
+# Keys that follow [run] unless set: (section, key) -> the [run] key whose value they take.
+FOLLOW_RUN = {
+    ("model", "seed"): "seed",
+    ("replay", "seed"): "seed",
+    ("optim", "seed"): "seed",
+    ("optim", "total_steps"): "steps",
+}
+
+# A second name of a key, still read (with a warning): (section, alias) -> (section, key).
+# [optim].grad_checkpointing (run.json files of earlier runs hold it) turns the learner's
+# gradient checkpointing on as [model].gradient_checkpointing does.
+DEPRECATED = {("optim", "grad_checkpointing"): ("model", "gradient_checkpointing")}
+
 
 def _build(section: str, cls: type, values: dict[str, Any]) -> Any:
     if not isinstance(values, dict):
@@ -251,6 +278,29 @@ def _build(section: str, cls: type, values: dict[str, Any]) -> Any:
         raise  # already names [section].key
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"[{section}]: {exc}") from exc
+
+
+def _read_deprecated(d: dict[str, Any]) -> None:
+    """Move DEPRECATED keys of ``d`` to the keys they name (in place); a true one warns."""
+    for (section, alias), (target, key) in DEPRECATED.items():
+        table = d.get(section)
+        if not isinstance(table, dict) or alias not in table:
+            continue
+        value = table.pop(alias)
+        if not isinstance(value, bool):
+            raise ConfigError(
+                f"[{section}].{alias} (now [{target}].{key}) must be true or false, got {value!r}"
+            )
+        if value:
+            warnings.warn(
+                f"[{section}].{alias} is deprecated: set [{target}].{key} = true instead "
+                "(read as that)",
+                FutureWarning,
+                stacklevel=3,
+            )
+            dest = d.setdefault(target, {})
+            if isinstance(dest, dict):
+                dest[key] = True
 
 
 def _split_sub(values: Any, section: str, sub: str) -> tuple[Any, dict[str, Any] | None]:
@@ -286,6 +336,11 @@ class TrainConfig:
     control: ControlConfig = field(default_factory=ControlConfig)
 
     def __post_init__(self) -> None:
+        for (section, key), source in FOLLOW_RUN.items():
+            table = getattr(self, section)
+            if getattr(table, key) is None:
+                value = getattr(self.run, source)
+                object.__setattr__(self, section, dataclasses.replace(table, **{key: value}))
         if self.generation.dtype == "auto" and self.model.dtype != "auto":
             # [generation].dtype defaults to the learner's: the generators sample from the
             # distribution the learner scores.
@@ -296,7 +351,7 @@ class TrainConfig:
                 "[model.lora] with [run].fsdp = true is not supported (the adapters are small: "
                 "train them with DDP replicas); set [run].fsdp = false or remove [model.lora]"
             )
-        _check_turns(self.task, self.generation)
+        check_turns(self.task, self.generation)
         if self.control.enabled and self.run.mode != "sync":
             raise ConfigError(
                 "[replay.control].enabled: the replay-ratio controller drives the sync loop "
@@ -310,15 +365,24 @@ class TrainConfig:
                 raise ConfigError(
                     f"[{section}]: unknown section; known sections: {', '.join(SECTIONS)}"
                 )
-        d = dict(d)
+        d = {name: dict(v) if isinstance(v, dict) else v for name, v in d.items()}
         replay, control = _split_sub(d.get("replay", {}), "replay", "control")
         d["replay"] = replay
         model, lora = _split_sub(d.get("model", {}), "model", "lora")
         if lora is not None:
             model = {**model, "lora": lora}
         d["model"] = model
+        _read_deprecated(d)
+        run = _build("run", RunConfig, d.get("run", {}))
+        for (section, key), source in FOLLOW_RUN.items():
+            table = d.setdefault(section, {})
+            if isinstance(table, dict) and table.get(key) is None:
+                table[key] = getattr(run, source)  # before building: cosine needs total_steps
         return cls(
-            **{name: _build(name, kind, d.get(name, {})) for name, kind in SECTIONS.items()},
+            **{
+                name: run if name == "run" else _build(name, kind, d.get(name, {}))
+                for name, kind in SECTIONS.items()
+            },
             control=_build("replay.control", ControlConfig, control or {}),
         )
 
@@ -339,7 +403,15 @@ class TrainConfig:
         return out
 
     def with_run(self, **changes: Any) -> TrainConfig:
-        return dataclasses.replace(self, run=dataclasses.replace(self.run, **changes))
+        """This config with ``[run]`` changed; keys that follow [run] (FOLLOW_RUN: those equal
+        to the [run] value they follow) follow the new value."""
+        run = dataclasses.replace(self.run, **changes)
+        tables: dict[str, Any] = {}
+        for (section, key), source in FOLLOW_RUN.items():
+            table = tables.get(section, getattr(self, section))
+            if getattr(table, key) == getattr(self.run, source) != getattr(run, source):
+                tables[section] = dataclasses.replace(table, **{key: getattr(run, source)})
+        return dataclasses.replace(self, run=run, **tables)
 
     @property
     def run_id(self) -> str:

@@ -11,14 +11,16 @@ rollouts), ``rescore`` (a task's verifier under a new reward version) and ``inge
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
+import re
 from pathlib import Path
 from typing import Any
 
 from rolloutstore.errors import RescoreError, UsageError
 from rolloutstore.retention.rescore import Scorer
-from trainer.rollout.pipeline import BACKENDS, TINY_MODEL, generate_rollouts
+from trainer.rollout.pipeline import TINY_MODEL, generate_rollouts, resolve_backend
 
 ADVANTAGE_MODES = ("grpo", "drgrpo")
 
@@ -159,59 +161,80 @@ def cmd_generate(args: argparse.Namespace) -> None:
     """Run ``rolloutstore-train generate`` from parsed arguments and print the closing summary line."""
     from rolloutstore import RolloutStore
 
-    task = _generate_task(args)
+    task_cfg, task, gen = generate_config(args)  # every check before anything is written
     store = RolloutStore.open(args.store, create=True)
-    model = resolve_model(args.model, args.store, args.task)
+    model = resolve_model(args.model, args.store, task_cfg.name)
     summary = generate_rollouts(
         store,
         model=model,
         task=task,
         prompts=args.prompts,
-        group_size=args.group_size,
         policy_version=args.policy_version,
-        backend=args.backend,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        max_tokens=args.max_tokens,
-        seed=args.seed,
-        batch_prompts=args.batch_prompts,
+        backend=resolve_backend(gen.backend),
+        batch_prompts=gen.batch_prompts,
         run_id=args.run_id,
         policy_id=args.policy_id,
         progress=not args.quiet,
-        max_turns=args.max_turns,
-        max_total_tokens=args.max_total_tokens,
+        advantage_ddof=gen.advantage_ddof,
+        max_turns=gen.max_turns,
+        max_total_tokens=gen.max_total_tokens,
+        generation=gen,
+        **gen.sampling(seed=args.seed).kwargs(),
     )
     print(summary.line())
 
 
-def _generate_task(args: argparse.Namespace) -> Any:
-    """``--task`` with ``--tools`` (multi-turn), checked before anything is written."""
-    from trainer.tasks import get_task
-    from trainer.tasks.tools import TOOLS, with_tools
+# What ``generate`` takes from the run config: [task] name (as --task) and tools, and every
+# [generation] key but prompts_per_round (a run's round size; generate has --prompts).
+GENERATE_TASK_KEYS = ("name", "tools")
+GENERATE_SKIPS = ("prompts_per_round",)
 
-    tools = list(dict.fromkeys(args.tools or []))
-    unknown = [t for t in tools if t not in TOOLS]
-    problem = None
-    if unknown:
-        problem = f"--tools: unknown tool {unknown[0]!r}; known tools: {', '.join(sorted(TOOLS))}"
-    elif args.max_turns < 1 or args.max_total_tokens < 0:
-        problem = "--max-turns must be >= 1 and --max-total-tokens >= 0"
-    elif tools and args.max_turns < 2:
-        problem = "--tools needs --max-turns >= 2 (a model turn after the tool's reply)"
-    elif not tools and args.max_turns > 1:
-        problem = f"--max-turns {args.max_turns} needs --tools (nothing answers between turns)"
-    elif 0 < args.max_total_tokens < args.max_tokens:
-        problem = (
-            f"--max-total-tokens {args.max_total_tokens} is below --max-tokens {args.max_tokens}"
-        )
-    if problem:
-        raise UsageError(problem)
-    return with_tools(get_task(args.task), tools)
+
+def generate_config(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+    """``generate``'s ``(TaskConfig, its task, GenerationConfig)`` from its options (the others
+    keep the run config's defaults), validated by the config's own rules; a bad value is a
+    :class:`UsageError` naming the option."""
+    from rolloutstore.options import dataclass_from_args
+    from trainer.config import TaskConfig, check_turns
+    from trainer.rollout.sampling import GenerationConfig
+
+    try:
+        task = dataclass_from_args(TaskConfig, args)
+        gen = dataclass_from_args(GenerationConfig, args)
+        check_turns(task, gen)
+        built = task.build()
+    except (ValueError, TypeError) as exc:
+        raise UsageError(_as_options(str(exc))) from exc
+    return task, built, gen
+
+
+def _as_options(message: str) -> str:
+    """A config error in ``generate``'s words: ``[generation].max_turns`` -> ``--max-turns``."""
+    from trainer.rollout.sampling import GenerationConfig
+
+    names = {f.name for f in dataclasses.fields(GenerationConfig)} - set(GENERATE_SKIPS)
+    flags = {("task", "tools"): "--tools", ("task", "name"): "--task"}
+    flags.update({("generation", n): "--" + n.replace("_", "-") for n in names})
+
+    def flag(m: re.Match) -> str:
+        return flags.get((m[1], m[2]), m[0])
+
+    message = re.sub(r"\[(\w+)\]\.(\w+)", flag, message)
+    first = message.split(" ", 1)[0]
+    if first in names:  # the sampling checks name the bare field
+        message = "--" + first.replace("_", "-") + message[len(first) :]
+    return message
 
 
 def add_generate_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Register ``generate`` on an ``add_subparsers()`` object; ``args.func(args)`` runs it."""
+    """Register ``generate`` on an ``add_subparsers()`` object; ``args.func(args)`` runs it.
+
+    Its sampling and generation options are the run config's ``[generation]`` keys (and
+    ``[task]`` name and tools), built from the same dataclasses with the same defaults."""
+    from rolloutstore.options import add_dataclass_args
+    from trainer.config import TaskConfig
+    from trainer.rollout.sampling import GenerationConfig
+
     p = subparsers.add_parser(
         "generate", help="sample scored rollouts from a model into a store (vLLM or transformers)"
     )
@@ -221,25 +244,14 @@ def add_generate_parser(subparsers: Any) -> argparse.ArgumentParser:
         required=True,
         help="checkpoint folder, or 'tiny' (built into STORE/../tiny-model)",
     )
-    p.add_argument("--task", default="arith", help="task name (arith, countdown, ...)")
-    p.add_argument("--prompts", type=int, default=256, help="number of prompts to draw")
-    p.add_argument("--group-size", type=int, default=8, help="completions per prompt")
+    add_dataclass_args(
+        p, TaskConfig, only=GENERATE_TASK_KEYS, flags={"name": "--task"}, metavars={"tools": "TOOL"}
+    )
+    p.add_argument("--prompts", type=int, default=256, help="prompts to draw (default: 256)")
+    add_dataclass_args(p, GenerationConfig, skip=GENERATE_SKIPS)
     p.add_argument("--policy-version", type=int, default=0)
     p.add_argument("--policy-id", default=None)
-    p.add_argument("--backend", choices=BACKENDS, default="vllm")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0, help="0 disables top-k")
-    p.add_argument("--max-tokens", type=int, default=64, help="completion (multi-turn: per turn)")
-    p.add_argument(
-        "--tools", nargs="+", metavar="TOOL", help="tools the model may call (e.g. calculator)"
-    )
-    p.add_argument("--max-turns", type=int, default=1, help="model turns per trajectory")
-    p.add_argument(
-        "--max-total-tokens", type=int, default=0, help="multi-turn: completion cap (0: none)"
-    )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--batch-prompts", type=int, default=64, help="prompts per append")
+    p.add_argument("--seed", type=int, default=0, help="prompts and sampling (batch b: seed + b)")
     p.add_argument("--run-id", default="default")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_generate)

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+import numbers
+from dataclasses import dataclass
 from typing import Any, Literal
+
+from rolloutstore.options import help_field as _h
 
 # Columns a selection may read or filter on (``where`` may use any of them): the scalar
 # ones, and of the multi-turn ones the derived counts and ``tools`` (a short list<string>
@@ -34,12 +37,6 @@ PRIORITIES = ("uniform", "advantage")
 DIVERSITIES = ("none", "prompt", "embedding")
 
 
-def _help(text: str, default: Any = dataclasses.MISSING, **kw) -> Any:
-    if isinstance(default, (list, dict, set)):
-        return field(default_factory=lambda: type(default)(default), metadata={"help": text}, **kw)
-    return field(default=default, metadata={"help": text}, **kw)
-
-
 @dataclass(frozen=True)
 class ReplayConfig:
     """The replay buffer as a view of the append-only store, plus the sampling rule.
@@ -51,45 +48,49 @@ class ReplayConfig:
     ``whole_groups``, ``replacement``).
     """
 
-    window: int | None = _help("FIFO capacity N: only the N most recent eligible rollouts", None)
-    max_staleness: int | None = _help("only rows with policy_version >= learner_version - k", None)
-    max_uses: int | None = _help("reuse cap: rows used this many times are not drawn again", None)
-    replacement: bool = _help("allow the same rollout twice within one batch", False)
-    per_prompt_cap: int | None = _help("at most this many rollouts of one prompt per batch", None)
-    whole_groups: bool = _help("draw complete GRPO groups (batch size rounds to groups)", False)
-    drop_zero_variance_groups: bool = _help(
+    window: int | None = _h("FIFO capacity N: only the N most recent eligible rollouts", None)
+    max_staleness: int | None = _h("only rows with policy_version >= learner_version - k", None)
+    max_uses: int | None = _h("reuse cap: rows used this many times are not drawn again", None)
+    replacement: bool = _h("allow the same rollout twice within one batch", False)
+    per_prompt_cap: int | None = _h("at most this many rollouts of one prompt per batch", None)
+    whole_groups: bool = _h("draw complete GRPO groups (batch size rounds to groups)", False)
+    drop_zero_variance_groups: bool = _h(
         "skip groups whose rewards are all equal (no GRPO signal)", False
     )
-    positive_fraction: float = _help(
+    positive_fraction: float = _h(
         "share of each batch drawn from the freshest rollouts with reward > threshold", 0.0
     )
-    positive_threshold: float = _help("reward above which a rollout counts as positive", 0.0)
-    positive_pool: int = _help("how many freshest positives form the positive pool", 1024)
-    fresh_fraction: float = _help(
+    positive_threshold: float = _h("reward above which a rollout counts as positive", 0.0)
+    positive_pool: int = _h("how many freshest positives form the positive pool", 1024)
+    fresh_fraction: float = _h(
         "share of each batch drawn from the newest policy version(s) in the buffer", 0.0
     )
-    fresh_versions: int = _help("how many newest policy versions count as fresh", 1)
-    reward_version: int | None = _help(
+    fresh_versions: int = _h("how many newest policy versions count as fresh", 1)
+    reward_version: int | None = _h(
         "re-scoring to read rewards/advantages from (None: each rollout's newest)", None
     )
-    priority: Priority = _help("uniform, or advantage: P ~ |A|^alpha", "uniform")
-    alpha: float = _help("priority exponent for priority=advantage", 1.0)
-    beta: float = _help("importance-weight exponent: w ~ (N P)^-beta, normalised by max", 0.4)
-    priority_eps: float = _help("added to |A| so zero-advantage rows keep some mass", 1e-3)
-    diversity: Diversity = _help(
+    priority: Priority = _h("uniform, or advantage: P ~ |A|^alpha", "uniform")
+    alpha: float = _h("priority exponent for priority=advantage", 1.0)
+    beta: float = _h("importance-weight exponent: w ~ (N P)^-beta, normalised by max", 0.4)
+    priority_eps: float = _h("added to |A| so zero-advantage rows keep some mass", 1e-3)
+    diversity: Diversity = _h(
         "none; prompt: spread over prompts; embedding: farthest-point cover of a pool", "none"
     )
-    diversity_pool: int = _help("candidate pool size (x batch size) for embedding diversity", 8)
-    runs: tuple[str, ...] | None = _help("eligible run_ids (None: all runs)", None)
-    where: str | None = _help("extra SQL filter over scalar columns, with ? placeholders", None)
-    where_params: tuple = _help("values for the ? placeholders of where", ())
-    seed: int = _help("sampling seed", 0)
+    diversity_pool: int = _h("candidate pool size (x batch size) for embedding diversity", 8)
+    runs: tuple[str, ...] | None = _h("eligible run_ids (None: all runs)", None)
+    where: str | None = _h("extra SQL filter over scalar columns, with ? placeholders", None)
+    where_params: tuple = _h("values for the ? placeholders of where", ())
+    seed: int | None = _h("sampling seed (None: 0; in a rolloutstore-train run, [run].seed)", None)
 
     def __post_init__(self) -> None:
         for name in ("window", "max_uses", "per_prompt_cap"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 1):
                 raise ValueError(f"ReplayConfig.{name} must be a positive int or None, got {v!r}")
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral)
+        ):
+            raise ValueError(f"ReplayConfig.seed must be an int or None, got {self.seed!r}")
         if self.max_staleness is not None and (
             not isinstance(self.max_staleness, int) or self.max_staleness < 0
         ):
@@ -134,6 +135,10 @@ class ReplayConfig:
             raise ValueError(
                 f"ReplayConfig.where_params {self.where_params!r} given without a where to bind"
             )
+
+    def seeded(self) -> ReplayConfig:
+        """This config with an unset ``seed`` as 0, the seed the selector draws with."""
+        return self if self.seed is not None else dataclasses.replace(self, seed=0)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

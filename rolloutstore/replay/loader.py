@@ -195,7 +195,7 @@ class ReplayDataset(IterableDataset):
                 f"rank must be in [0, world_size), got rank={rank}, world_size={world_size}"
             )
         self.store = store
-        self.config = config or ReplayConfig()
+        self.config = (config or ReplayConfig()).seeded()
         self.batch_size = batch_size
         self.max_tokens_per_batch = max_tokens_per_batch
         self.learner_version = learner_version

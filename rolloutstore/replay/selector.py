@@ -90,7 +90,7 @@ class Selector:
         record_usage: bool = True,
     ):
         self.store = store
-        self.config = config or ReplayConfig()
+        self.config = (config or ReplayConfig()).seeded()
         self.run_id = run_id
         self.record_usage = record_usage
         self.step = 0

@@ -31,13 +31,14 @@ config). Only scalar columns and the embedding are read, never token columns.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+
+from rolloutstore.options import help_field as _h
 
 COLUMNS = ["rollout_id", "prompt_id", "policy_version", "created_at", "reward", "embedding"]
 NEWEST_FIRST = [
@@ -48,22 +49,18 @@ NEWEST_FIRST = [
 KINDS = ("prompts", "clusters", "correct")
 
 
-def _help(text: str, default: Any) -> Any:
-    return field(default=default, metadata={"help": text})
-
-
 @dataclass(frozen=True)
 class RetentionConfig:
     """How a diversity-preserving eviction spends its budget (``keep`` is given per call)."""
 
-    reserve: float = _help(
+    reserve: float = _h(
         "share of the kept rows spent on representatives of regions the newest rows miss", 0.2
     )
-    clusters: int = _help("k of the k-means clustering of embeddings (coverage unit)", 32)
-    correct_threshold: float = _help("reward above which a rollout counts as correct", 0.0)
-    fit_rows: int = _help("rows sampled to fit the k-means centres (all rows are assigned)", 50_000)
-    kmeans_iters: int = _help("Lloyd iterations of the k-means fit", 20)
-    seed: int = _help("seed of the k-means sample and initialisation", 0)
+    clusters: int = _h("k of the k-means clustering of embeddings (coverage unit)", 32)
+    correct_threshold: float = _h("reward above which a rollout counts as correct", 0.0)
+    fit_rows: int = _h("rows sampled to fit the k-means centres (all rows are assigned)", 50_000)
+    kmeans_iters: int = _h("Lloyd iterations of the k-means fit", 20)
+    seed: int = _h("seed of the k-means sample and initialisation", 0)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.reserve <= 1.0:

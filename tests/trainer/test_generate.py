@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import fields
 from pathlib import Path
 
 import numpy as np
@@ -16,10 +17,18 @@ import pytest
 from helpers import require_vllm
 
 from rolloutstore import RolloutStore
+from rolloutstore.options import field_default
+from trainer.config import TaskConfig
 from trainer.models.tiny import make_tiny_model
 from trainer.rollout.pipeline import GenerateSummary, generate_rollouts
-from trainer.rollout.sampling import SamplingParams
-from trainer.store_commands import add_generate_parser, resolve_model
+from trainer.rollout.sampling import GenerationConfig, SamplingParams
+from trainer.store_commands import (
+    GENERATE_SKIPS,
+    GENERATE_TASK_KEYS,
+    add_generate_parser,
+    generate_config,
+    resolve_model,
+)
 from trainer.tasks import get_task
 
 N_PROMPTS, GROUP, MAX_TOKENS = 8, 4, 16
@@ -216,3 +225,81 @@ def test_cli_generate_with_tiny_model(tmp_path, capsys) -> None:
 def test_resolve_model_rejects_folder_without_config(tmp_path) -> None:
     with pytest.raises(FileNotFoundError, match="config.json"):
         resolve_model(str(tmp_path), tmp_path / "store", "arith")
+
+
+# -- generate's options are the run config's [generation] (and [task]) keys ----------------------
+def _generate_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser()
+    return add_generate_parser(ap.add_subparsers(dest="cmd", required=True))
+
+
+def _drift(parser: argparse.ArgumentParser) -> list[str]:
+    """Each option shared with the run config whose default (in the parser, in its --help, or
+    in the config the command builds) is not the config dataclass's."""
+    shared = [(TaskConfig, f) for f in fields(TaskConfig) if f.name in GENERATE_TASK_KEYS]
+    shared += [(GenerationConfig, f) for f in fields(GenerationConfig)]
+    shared = [(c, f) for c, f in shared if f.name not in GENERATE_SKIPS]
+    actions = {a.dest: a for a in parser._actions}
+    text = " ".join(parser.format_help().split())
+    task, _, gen = generate_config(parser.parse_args(["STORE", "--model", "tiny"]))
+    built = {TaskConfig: task, GenerationConfig: gen}
+    problems = []
+    for cls, f in shared:
+        want, action = field_default(f), actions.get(f.name)
+        if action is None:
+            problems.append(f"{f.name}: no option")
+            continue
+        if action.default is not argparse.SUPPRESS and action.default != want:
+            problems.append(f"{f.name}: parser default {action.default!r} != {want!r}")
+        help_text = " ".join(action.help.split())
+        if not help_text.endswith(f"(default: {want})") or help_text not in text:
+            problems.append(f"{f.name}: --help says {help_text!r}, the config {want!r}")
+        if getattr(built[cls], f.name) != want:
+            problems.append(f"{f.name}: builds {getattr(built[cls], f.name)!r} != {want!r}")
+    return problems
+
+
+def test_generate_defaults_are_the_run_configs() -> None:
+    assert _drift(_generate_parser()) == []
+    # The two defaults that used to disagree with [generation].
+    assert (GenerationConfig().backend, GenerationConfig().max_tokens) == ("hf", 16)
+
+
+def test_the_drift_check_catches_a_hand_copied_default() -> None:
+    drifted = _generate_parser()
+    drifted.set_defaults(max_tokens=64)  # as the hand-copied flag had it
+    assert [p for p in _drift(drifted) if p.startswith("max_tokens:")]
+
+
+def test_generate_keeps_its_option_names() -> None:
+    names = {s for a in _generate_parser()._actions for s in a.option_strings}
+    assert {
+        "--model", "--task", "--prompts", "--group-size", "--policy-version", "--policy-id",
+        "--backend", "--temperature", "--top-p", "--top-k", "--max-tokens", "--tools",
+        "--max-turns", "--max-total-tokens", "--seed", "--batch-prompts", "--run-id", "-q",
+    } <= names  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        (["--temperature", "0"], "--temperature must be > 0"),
+        (["--top-p", "2"], "--top-p must be in (0, 1]"),
+        (["--max-model-len", "8"], "--max-model-len = 8 leaves no room"),
+        (["--task", "nope"], "unknown task 'nope'"),
+        (["--max-turns", "2"], "--max-turns = 2 needs --tools"),
+    ],
+)
+def test_cli_generate_refuses_bad_settings_before_writing(tmp_path, capsys, extra, needle) -> None:
+    from trainer.cli import main
+
+    assert main(["generate", str(tmp_path / "run" / "store"), "--model", "tiny", *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and "\n" not in err
+    assert not (tmp_path / "run").exists()  # no store, no tiny model
+
+
+def test_generate_zero_top_k_and_one_top_p_are_off() -> None:
+    args = _generate_parser().parse_args(["S", "--model", "tiny", "--top-k", "0", "--top-p", "1"])
+    _, _, gen = generate_config(args)
+    assert (gen.top_k, gen.top_p) == (None, None) and gen == GenerationConfig()

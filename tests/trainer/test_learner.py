@@ -92,10 +92,12 @@ def _batches(store, n, *, seed=0, batch_size=12, priority="uniform", **kw):
     return list(ds)
 
 
-def _learner(base_model, loss="ppo", *, lr=1e-3, **optim) -> Learner:
+def _learner(base_model, loss="ppo", *, lr=1e-3, learner_kw=None, **optim) -> Learner:
     loss_cfg = loss if isinstance(loss, LossConfig) else LossConfig(loss_type=loss)
     optim.setdefault("grad_clip", None)
-    return Learner(copy.deepcopy(base_model), loss_cfg, OptimConfig(lr=lr, **optim))
+    return Learner(
+        copy.deepcopy(base_model), loss_cfg, OptimConfig(lr=lr, **optim), **(learner_kw or {})
+    )
 
 
 def _params(learner: Learner) -> dict[str, torch.Tensor]:
@@ -245,7 +247,8 @@ def test_state_dict_round_trip_resumes_bit_for_bit(store, base_model):
 # -- options -------------------------------------------------------------------------------
 def test_gradient_checkpointing_gives_the_same_update(store, base_model):
     (batch,) = _batches(store, 1, batch_size=8)
-    plain, ckpt = _learner(base_model), _learner(base_model, grad_checkpointing=True)
+    plain = _learner(base_model)
+    ckpt = _learner(base_model, learner_kw={"gradient_checkpointing": True})
     flag = getattr(type(ckpt.model), "is_activation_checkpointing", None)
     assert ckpt.model.is_activation_checkpointing if flag else ckpt.model.is_gradient_checkpointing
     plain.step(batch), ckpt.step(batch)

@@ -508,9 +508,13 @@ def test_cli_generate_with_tools_writes_trajectories(tmp_path, tool_model, capsy
             "--seed", "1", "-q"]  # fmt: skip
     for extra, message in [
         (["--tools", "abacus", "--max-turns", "3"], "--tools: unknown tool 'abacus'"),
-        (["--tools", "calculator"], "--tools needs --max-turns >= 2"),
-        (["--max-turns", "3"], "--max-turns 3 needs --tools"),
-        (["--tools", "calculator", "--max-turns", "3", "--max-total-tokens", "8"], "is below"),
+        # The config's own rules ([generation] / [task]), worded with generate's options.
+        (["--tools", "calculator"], "--max-turns = 1 with --tools leaves no turn"),
+        (["--max-turns", "3"], "--max-turns = 3 needs --tools"),
+        (
+            ["--tools", "calculator", "--max-turns", "3", "--max-total-tokens", "8"],
+            "--max-total-tokens must be 0 (no cap) or an int >= max_tokens (24), got 8",
+        ),
     ]:
         assert main([*base, *extra]) == 2
         err = capsys.readouterr().err.strip()

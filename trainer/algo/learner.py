@@ -99,6 +99,8 @@ class Learner:
             ``loss_cfg.kl_coef > 0``).
         compute_entropy: also compute per-token entropies (always on when
             ``loss_cfg.entropy_coef > 0``) and report their mean.
+        gradient_checkpointing: recompute activations in backward (HF models; less memory,
+            slower steps); a run sets it from ``[model].gradient_checkpointing``.
     """
 
     def __init__(
@@ -115,6 +117,7 @@ class Learner:
         chunk_size: int = 1024,
         ref_model: Any | None = None,
         compute_entropy: bool = False,
+        gradient_checkpointing: bool = False,
     ):
         if not temperature > 0:
             raise ValueError(f"temperature must be > 0, got {temperature!r}")
@@ -126,7 +129,7 @@ class Learner:
         if loss_cfg.kl_coef > 0 and ref_model is None:
             raise ValueError(f"loss_cfg.kl_coef={loss_cfg.kl_coef} requires ref_model")
         self.loss_cfg = loss_cfg
-        self.optim_cfg = optim_cfg
+        self.optim_cfg = optim_cfg.seeded()
         self.device = torch.device(device)
         if compute_dtype is None:
             compute_dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
@@ -142,10 +145,10 @@ class Learner:
         self.ddp: Any | None = None
         self.sharded = False
 
-        torch.manual_seed(optim_cfg.seed)
+        torch.manual_seed(self.optim_cfg.seed)
         self.model = model.to(self.device)
         self.model.train()
-        if optim_cfg.grad_checkpointing:
+        if gradient_checkpointing:
             # Non-reentrant checkpointing works with inputs that do not require grad.
             # transformers >= 5.x renamed the API; the old name warns there.
             if hasattr(self.model, "activation_checkpointing_enable"):

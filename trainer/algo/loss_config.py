@@ -12,6 +12,8 @@ from typing import Literal, get_args
 
 from torch import Tensor
 
+from rolloutstore.options import help_field as _h
+
 __all__ = [
     "AGGS", "LOSS_TYPES", "MAX_METRICS", "Agg", "LossConfig", "LossOutput", "LossType",
     "check_loss_inputs",
@@ -31,30 +33,56 @@ MAX_METRICS = ("is_weight_max", "ratio_max_dev")
 class LossConfig:
     """Which policy loss, how to aggregate it, and its hyper-parameters."""
 
-    loss_type: LossType = "ppo"
-    agg: Agg = "token-mean"
-    # seq-mean-token-sum-norm: the constant length normaliser (Dr. GRPO). None: the training
-    # loops fill in the model-token budget of a trajectory ([generation].max_tokens, x
-    # max_turns within max_total_tokens for multi-turn); policy_loss itself requires it.
-    agg_norm_len: int | None = None
-    eps_low: float = 0.2
-    eps_high: float = 0.2
-    # Dual clip (Ye et al. 2020): for A < 0 the per-token objective is at least c * A, so a
-    # token whose ratio exceeds c gets no gradient. None: off.
-    clip_ratio_c: float | None = 3.0
-    tis_cap: float = 2.0
-    icepop_low: float = 0.5
-    icepop_high: float = 2.0
-    # icepop: divide by the kept tokens only (masked tokens leave the denominator).
-    icepop_renorm: bool = False
-    # decoupled: tokens whose pi_prox / mu exceeds the cap are masked (AReaL); None: uncapped.
-    decoupled_cap: float | None = 5.0
-    m2po_tau: float = 0.04
-    asymre_delta: float = -0.1
-    kl_coef: float = 0.0
-    entropy_coef: float = 0.0
-    # Per-sequence weight staleness_decay ** staleness (policy versions behind); None = off.
-    staleness_decay: float | None = None
+    loss_type: LossType = _h(
+        "ppo (clip around the stored mu), tis (truncated IS), icepop (masked IS), decoupled "
+        "(AReaL: clip around pi_old, needs prox_logp), gspo (sequence-level ratio), asymre "
+        "(REINFORCE, shifted baseline), m2po (second-moment masking); trainer/algo/loss.py",
+        "ppo",
+    )
+    agg: Agg = _h(
+        "aggregation over tokens: token-mean, seq-mean-token-sum, seq-mean-token-mean, "
+        "seq-mean-token-sum-norm (Dr. GRPO: constant normaliser agg_norm_len)",
+        "token-mean",
+    )
+    agg_norm_len: int | None = _h(
+        "seq-mean-token-sum-norm: the constant length normaliser (None: a run fills in the "
+        "model-token budget of a trajectory, [generation].max_tokens x max_turns within "
+        "max_total_tokens)",
+        None,
+    )
+    eps_low: float = _h("clip range below 1: ratio < 1 - eps_low with A < 0 gets no gradient", 0.2)
+    eps_high: float = _h(
+        "clip range above 1: ratio > 1 + eps_high with A > 0 gets no gradient", 0.2
+    )
+    clip_ratio_c: float | None = _h(
+        "dual clip (Ye et al. 2020): for A < 0 the objective is at least c * A, so a token "
+        "whose ratio exceeds c gets no gradient (> 1; None: off)",
+        3.0,
+    )
+    tis_cap: float = _h("tis: the cap of the truncated IS weight pi_old / mu", 2.0)
+    icepop_low: float = _h("icepop: tokens with pi_old / mu below this are masked", 0.5)
+    icepop_high: float = _h("icepop: tokens with pi_old / mu above this are masked", 2.0)
+    icepop_renorm: bool = _h(
+        "icepop: divide by the kept tokens only (masked tokens leave the denominator)", False
+    )
+    decoupled_cap: float | None = _h(
+        "decoupled: tokens whose pi_old / mu exceeds the cap are masked (AReaL; None: uncapped)",
+        5.0,
+    )
+    m2po_tau: float = _h(
+        "m2po: mask the largest (log ratio)^2 tokens until their mean over the kept ones is <= tau",
+        0.04,
+    )
+    asymre_delta: float = _h(
+        "asymre: baseline shift, loss -(A - delta) * logp (delta < 0 favours positive samples)",
+        -0.1,
+    )
+    kl_coef: float = _h("k3 KL penalty to a frozen reference model (0: off)", 0.0)
+    entropy_coef: float = _h("entropy bonus coefficient (0: off)", 0.0)
+    staleness_decay: float | None = _h(
+        "per-sequence weight decay ** staleness (policy versions behind), in (0, 1] (None: off)",
+        None,
+    )
 
     def __post_init__(self) -> None:
         if self.loss_type not in LOSS_TYPES:

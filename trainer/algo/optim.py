@@ -5,10 +5,12 @@ schedule state (:func:`apply_optim_config`: a resume with a changed ``[optim]``)
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import numpy as np
+
+from rolloutstore.options import help_field as _h
 
 LRSchedule = Literal["constant", "cosine"]
 
@@ -20,44 +22,29 @@ LR_SCHEDULES = ("constant", "cosine")
 class OptimConfig:
     """AdamW, the LR schedule, gradient accumulation and memory options of the learner."""
 
-    lr: float = field(default=1e-6, metadata={"help": "peak learning rate"})
-    weight_decay: float = field(
-        default=0.0, metadata={"help": "AdamW decoupled weight decay (matrices only)"}
+    lr: float = _h("peak learning rate", 1e-6)
+    weight_decay: float = _h("AdamW decoupled weight decay (matrices only)", 0.0)
+    betas: tuple[float, float] = _h("AdamW betas", (0.9, 0.999))
+    eps: float = _h("AdamW epsilon", 1e-8)
+    grad_clip: float | None = _h("max global grad norm (None: no clipping)", 1.0)
+    warmup_steps: int = _h("linear warmup steps from lr/warmup", 0)
+    lr_schedule: LRSchedule = _h("after warmup: constant, or cosine to min_lr_ratio", "constant")
+    total_steps: int | None = _h(
+        "learner steps (drawn batches) the LR schedule spans (cosine needs it; a training run's "
+        "None is [run].steps)",
+        None,
     )
-    betas: tuple[float, float] = field(default=(0.9, 0.999), metadata={"help": "AdamW betas"})
-    eps: float = field(default=1e-8, metadata={"help": "AdamW epsilon"})
-    grad_clip: float | None = field(
-        default=1.0, metadata={"help": "max global grad norm (None: no clipping)"}
+    min_lr_ratio: float = _h("cosine floor as a fraction of lr", 0.0)
+    micro_batch_tokens: int | None = _h(
+        "split a single batch dict into micro-batches of at most this many tokens", None
     )
-    warmup_steps: int = field(default=0, metadata={"help": "linear warmup steps from lr/warmup"})
-    lr_schedule: LRSchedule = field(
-        default="constant", metadata={"help": "after warmup: constant, or cosine to min_lr_ratio"}
+    seed: int | None = _h(
+        "torch seed set at construction (dropout); seeds the mini-batch order (None: 0; a "
+        "training run's None is [run].seed)",
+        None,
     )
-    total_steps: int | None = field(
-        default=None,
-        metadata={"help": "learner steps (drawn batches) of the run (required for cosine)"},
-    )
-    min_lr_ratio: float = field(default=0.0, metadata={"help": "cosine floor as a fraction of lr"})
-    micro_batch_tokens: int | None = field(
-        default=None,
-        metadata={
-            "help": "split a single batch dict into micro-batches of at most this many tokens"
-        },
-    )
-    grad_checkpointing: bool = field(
-        default=False, metadata={"help": "recompute activations in backward (HF models)"}
-    )
-    seed: int = field(
-        default=0,
-        metadata={"help": "torch seed set at construction (dropout); seeds the mini-batch order"},
-    )
-    ppo_epochs: int = field(
-        default=1,
-        metadata={"help": "passes over each drawn batch (each mini-batch one optimizer step)"},
-    )
-    mini_batches: int = field(
-        default=1, metadata={"help": "mini-batches (optimizer steps) per pass over a drawn batch"}
-    )
+    ppo_epochs: int = _h("passes over each drawn batch (each mini-batch one optimizer step)", 1)
+    mini_batches: int = _h("mini-batches (optimizer steps) per pass over a drawn batch", 1)
 
     def __post_init__(self) -> None:
         for name in ("lr", "weight_decay", "eps", "min_lr_ratio"):
@@ -103,8 +90,12 @@ class OptimConfig:
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
                 raise ValueError(f"OptimConfig.{name} must be an int >= 1, got {value!r}")
-        if not _is_int(self.seed):
-            raise ValueError(f"OptimConfig.seed must be an int, got {self.seed!r}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"OptimConfig.seed must be an int or None, got {self.seed!r}")
+
+    def seeded(self) -> OptimConfig:
+        """This config with an unset ``seed`` as 0, the seed the learner uses."""
+        return self if self.seed is not None else replace(self, seed=0)
 
     def lr_factor(self, step: int) -> float:
         """Multiplier of ``lr`` at learner step ``step`` (0-based; all the optimizer steps of

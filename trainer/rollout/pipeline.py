@@ -19,7 +19,7 @@ Python::
 CLI (registered on ``rolloutstore`` by :mod:`trainer.store_commands`)::
 
     rolloutstore-train generate STORE --model DIR|tiny --task arith --prompts 256 --group-size 8 \\
-        --policy-version 0 --backend vllm|hf [--temperature T --top-p P --top-k K \\
+        --policy-version 0 --backend hf|vllm|auto [--temperature T --top-p P --top-k K \\
         --max-tokens N --seed S --run-id ID]
 
 ``--model tiny`` builds (once) a tiny random model for the task into ``STORE/../tiny-model``.
@@ -169,6 +169,7 @@ def generate_rollouts(
     advantage_ddof: int = 0,
     max_turns: int = 1,
     max_total_tokens: int = 0,
+    generation: Any = None,
 ) -> GenerateSummary:
     """Generate ``prompts x group_size`` scored rollouts into ``store``; see the module docstring.
 
@@ -188,6 +189,8 @@ def generate_rollouts(
     defaults to ``HashingEmbedder(dim=store.embedding_dim)``; it must map a list of token-id
     lists to a ``(N, store.embedding_dim)`` array. A task with tools (``[task].tools``) gets
     multi-turn rows, ``max_turns`` / ``max_total_tokens`` (trainer/rollout/multiturn.py).
+    ``generation`` (a GenerationConfig) gives a generator built here its dtype and vLLM engine
+    options (:func:`make_generator`).
     """
     from tqdm.auto import tqdm
 
@@ -199,7 +202,7 @@ def generate_rollouts(
         embedder = HashingEmbedder(dim=store.embedding_dim)
 
     gen, owned, prompt_objs = _open_generator(
-        model, backend, task_obj, prompt_objs, policy_version, policy_id, seed
+        model, backend, task_obj, prompt_objs, policy_version, policy_id, seed, generation
     )
     try:
         bar = tqdm(
@@ -240,12 +243,18 @@ def _open_generator(
     policy_version: int,
     policy_id: str | None,
     seed: int,
+    generation: Any = None,
 ) -> tuple[Any, bool, list[Prompt]]:
     """(generator, whether this call built it, ``prompts`` rendered for its tokenizer)."""
     owned = not hasattr(model, "generate")
     gen = (
         make_generator(
-            model, backend, policy_version=policy_version, policy_id=policy_id, seed=seed
+            model,
+            backend,
+            policy_version=policy_version,
+            policy_id=policy_id,
+            seed=seed,
+            generation=generation,
         )
         if owned
         else model

@@ -233,16 +233,16 @@ class VLLMPolicy:
 
         if self.gen is None:
             return self._restart(version, folder())
-        g, task = self.generation, self.task
+        s, task = self.generation.sampling(), self.task
         try:
             u = self.gen.update_weights(
                 state,
                 policy_version=version,
                 verify_prompts=[p.prompt_text for p in task.make_prompts(2, seed=123_457)],
-                temperature=g.temperature,
-                top_p=g.top_p,
-                top_k=g.top_k,
-                max_tokens=g.max_tokens,
+                temperature=s.temperature,
+                top_p=s.top_p,
+                top_k=s.top_k,
+                max_tokens=s.max_tokens,
             )
         except WeightUpdateError as exc:
             print(f"policy version {version}: {exc}; restarting the engine", flush=True)

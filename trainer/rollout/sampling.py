@@ -45,7 +45,8 @@ def check_processing(temperature: Any, top_p: Any, top_k: Any) -> None:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Validated sampling settings (``top_k=0`` disables top-k, ``top_p=1`` top-p)."""
+    """Validated sampling settings, as the generators take them and rows record them: off is
+    ``top_k=0`` / ``top_p=1.0`` (None is accepted for either and stored so)."""
 
     group_size: int = 1
     temperature: float = 1.0
@@ -55,6 +56,10 @@ class SamplingParams:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        if self.top_k is None:
+            object.__setattr__(self, "top_k", 0)
+        if self.top_p is None:
+            object.__setattr__(self, "top_p", 1.0)
         if _not_int(self.group_size) or self.group_size < 1:
             raise ValueError(f"group_size must be an int >= 1, got {self.group_size!r}")
         check_processing(self.temperature, self.top_p, self.top_k)
@@ -132,8 +137,8 @@ class GenerationConfig:
     backend: Backend = _h("hf (transformers), vllm, or auto (vllm when installed)", "hf")
     group_size: int = _h("samples per prompt (GRPO group)", 8)
     temperature: float = _h("sampling temperature (> 0)", 1.0)
-    top_p: float = _h("nucleus threshold", 1.0)
-    top_k: int = _h("top-k cut-off, 0 for none", 0)
+    top_p: float | None = _h("nucleus threshold in (0, 1); None (or 1.0): off", None)
+    top_k: int | None = _h("top-k cut-off, an int >= 1; None (or 0): off", None)
     max_tokens: int = _h("completion token budget", 16)
     advantage_ddof: int = _h(
         "group advantage std: 0 population (default), 1 sample std (verl / TRL convention)", 0
@@ -176,6 +181,12 @@ class GenerationConfig:
             raise ValueError(
                 f"backend must be one of {typing.get_args(Backend)}, got {self.backend!r}"
             )
+        # One "off" in the config and at the learner: None. 0 / 1.0, as rows store it and older
+        # configs wrote it, read as None.
+        for key, off in (("top_k", 0), ("top_p", 1)):
+            value = getattr(self, key)
+            if value == off and not isinstance(value, bool):
+                object.__setattr__(self, key, None)
         self.sampling()  # the sampling fields, validated as every generator validates them
         if self.advantage_ddof not in (0, 1) or isinstance(self.advantage_ddof, bool):
             raise ValueError(f"advantage_ddof must be 0 or 1, got {self.advantage_ddof!r}")

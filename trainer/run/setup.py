@@ -223,19 +223,17 @@ def learner_loss_config(cfg: TrainConfig) -> LossConfig:
 def build_learner(cfg: TrainConfig, model, device: torch.device) -> Learner:
     """The learner over ``model`` with the run's loss, optimizer and sampling settings."""
     g, mc = cfg.generation, cfg.model
-    optim = cfg.optim
-    if mc.gradient_checkpointing and not optim.grad_checkpointing:
-        optim = replace(optim, grad_checkpointing=True)
     return Learner(
         model,
         learner_loss_config(cfg),
-        optim,
+        cfg.optim,
         temperature=g.temperature,
-        top_k=g.top_k or None,
-        top_p=g.top_p if g.top_p < 1 else None,
+        top_k=g.top_k,  # None when off, in the config as at the learner
+        top_p=g.top_p,
         compute_entropy=True,
         device=device,
         compute_dtype=resolve_dtype(mc.dtype, device),
+        gradient_checkpointing=mc.gradient_checkpointing,
     )
 
 
