@@ -25,7 +25,7 @@ SCRIPT = """
 import json, sys
 import rolloutstore
 from rolloutstore import RolloutStore
-from rolloutstore import schema as S
+from rolloutstore.schema import spec as S
 store = RolloutStore.open("store")
 store.append([{"prompt_ids": [1, 2], "completion_ids": [3], "behavior_logprobs": [-0.5],
                "policy_version": 4}])
