@@ -56,9 +56,9 @@ def cmd_sql(a) -> None:
 
     store = open_store(a.store)
     if a.out:
-        from rolloutstore.io.export import check_output_path
+        from rolloutstore.io.outputs import output_target
 
-        check_output_path(a.out, what="--out file")  # before the query runs
+        output_target(a.out, what="--out file")  # checked before the query runs
     if a.version is not None:
         known = [v["version"] for v in store.versions()]
         if a.version not in known:
