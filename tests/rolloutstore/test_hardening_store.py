@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from rolloutstore import RolloutStore
 from rolloutstore.cli.main import main
-from rolloutstore.errors import OutputDiskFullError
+from rolloutstore.errors import OutputDiskFullError, SchemaError
 
 
 @pytest.fixture
@@ -266,3 +266,83 @@ def test_sql_out_with_a_255_byte_name(store, tmp_path, capsys):
     rc = main(["sql", store.uri, "SELECT 2 AS y", "--format", "json", "--out", str(out)])
     assert rc == 0, capsys.readouterr().err
     assert json.loads(out.read_text()) == {"y": 2} and _no_temps(tmp_path)
+
+
+# -- odd stores (item 16) -----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def marked(tmp_path_factory) -> RolloutStore:
+    """A store whose schema metadata the tests below overwrite."""
+    s = RolloutStore.open(tmp_path_factory.mktemp("marked") / "s", embedding_dim=8)
+    s.append(make_rows(4))
+    return s
+
+
+def _mark(store: RolloutStore, key: str, value: str) -> None:
+    store.dataset().update_schema_metadata({f"rolloutstore.{key}": value})
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(value=st.text(max_size=12) | st.integers(-5, 5).map(str))
+def test_any_recorded_schema_version_opens_or_is_one_schema_error(marked, value):
+    _mark(marked, "schema_version", value)
+    try:
+        opened = RolloutStore.open(marked.uri, create=False)
+    except SchemaError as exc:
+        assert "\n" not in str(exc) and "schema" in str(exc)
+        assert value.strip() not in ("1", "2") or not value.isascii()
+    else:
+        assert opened.schema_version == int(value) and int(value) in (1, 2)
+    finally:
+        _mark(marked, "schema_version", "2")
+
+
+@pytest.mark.parametrize(
+    ("key", "value"), [("schema_version", "abc"), ("embedding_dim", "abc"), ("embedding_dim", "0")]
+)
+def test_a_damaged_schema_mark_is_one_error_line(marked, capsys, key, value):
+    _mark(marked, key, value)
+    try:
+        for argv in (["stats", marked.uri], ["sql", marked.uri, "SELECT 1 AS x"]):
+            rc = main(argv)
+            _one_error_line(rc, capsys.readouterr().err, f"rolloutstore.{key} = {value!r}")
+    finally:
+        _mark(marked, key, {"schema_version": "2", "embedding_dim": "8"}[key])
+    assert RolloutStore.open(marked.uri, create=False).count() == 4
+
+
+def _data_files(store: RolloutStore) -> list[str]:
+    return sorted(os.listdir(Path(store.uri) / "rollouts.lance" / "data"))
+
+
+@pytest.mark.parametrize("change", ["add", "drop"])
+def test_append_to_a_store_whose_columns_changed_is_refused(store, tmp_path, capsys, change):
+    ds = store.dataset()
+    if change == "add":
+        ds.add_columns({"extra": "1"})
+    else:
+        ds.drop_columns(["tags"])
+    before = (store.count(), store.version, _data_files(store))
+    with pytest.raises(SchemaError, match="changed outside rolloutstore"):
+        store.append(make_rows(3, seed=7))
+    f = tmp_path / "rows.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in make_rows(3, seed=8)))
+    rc = main(["ingest", store.uri, str(f), "-q"])
+    found = "extra ['extra']" if change == "add" else "missing ['tags']"
+    _one_error_line(rc, capsys.readouterr().err, found, "nothing was written")
+    assert (store.count(), store.version, _data_files(store)) == before
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(dim=st.integers(max_value=0))
+def test_a_bad_embedding_dim_creates_nothing(tmp_path_factory, dim):
+    where = tmp_path_factory.mktemp("dim") / "s"
+    with pytest.raises(SchemaError, match="embedding_dim must be a positive int"):
+        RolloutStore.open(where, embedding_dim=dim)
+    assert not where.exists()
+
+
+@pytest.mark.parametrize("dim", ["0", "-3"])
+def test_init_with_a_bad_embedding_dim_is_one_line_and_creates_nothing(tmp_path, capsys, dim):
+    rc = main(["init", str(tmp_path / "s"), "--embedding-dim", dim])
+    _one_error_line(rc, capsys.readouterr().err, f"got {dim}")
+    assert not (tmp_path / "s").exists()
