@@ -346,3 +346,72 @@ def test_init_with_a_bad_embedding_dim_is_one_line_and_creates_nothing(tmp_path,
     rc = main(["init", str(tmp_path / "s"), "--embedding-dim", dim])
     _one_error_line(rc, capsys.readouterr().err, f"got {dim}")
     assert not (tmp_path / "s").exists()
+
+
+# -- concurrent re-scorings (item 2) ------------------------------------------------------
+def _rescore_worker(uri: str, tag: str, barrier, out) -> None:
+    """One racing re-scoring (a spawned process): every row gets reward ``len(tag)``."""
+    import time
+
+    from rolloutstore import RolloutStore
+    from rolloutstore.retention.rescore import Scorer
+
+    def score(row: dict) -> float:
+        time.sleep(0.02)  # slow enough that the racers overlap: each reads before any commits
+        return float(len(tag))
+
+    store = RolloutStore.open(uri, create=False)
+    scorer = Scorer(score, name="race", advantage_fn=lambda r, g: r - r.mean())
+    barrier.wait(timeout=120)
+    try:
+        out.put((tag, store.rescore(scorer, note=tag).reward_version))
+    except Exception as exc:  # reported to the test, which fails on it
+        out.put((tag, repr(exc)))
+
+
+def _race(uri: str, tags: list[str]) -> dict[str, int]:
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    barrier, out = ctx.Barrier(len(tags)), ctx.Queue()
+    procs = [ctx.Process(target=_rescore_worker, args=(uri, t, barrier, out)) for t in tags]
+    for p in procs:
+        p.start()
+    try:
+        results = dict(out.get(timeout=300) for _ in tags)
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    return results
+
+
+@pytest.mark.parametrize("first", [True, False], ids=["first-rescoring", "table-exists"])
+def test_racing_rescorings_get_distinct_versions_and_lose_no_row(tmp_path, first):
+    store = RolloutStore.open(tmp_path / "s", embedding_dim=8)
+    rows = make_rows(24)
+    for r in rows:
+        r["task"] = "race"
+    store.append(rows)
+    from rolloutstore.retention.rescore import Scorer
+
+    base = 0
+    if not first:  # the rewards table exists: one re-scoring before the race
+        store.rescore(Scorer(lambda row: 0.0, "race", lambda r, g: r - r.mean()), note="pre")
+        base = 1
+    tags = ["a", "bb", "ccc"]
+    got = _race(store.uri, tags)
+    assert all(isinstance(v, int) for v in got.values()), got
+    assert sorted(got.values()) == [base + 1, base + 2, base + 3], got
+    t = store.sql(
+        "SELECT reward_version AS v, note, count(*) AS n, min(reward) AS lo, max(reward) AS hi "
+        "FROM rewards GROUP BY 1, 2 ORDER BY 1"
+    ).to_pylist()
+    assert [(r["v"], r["n"]) for r in t] == [(v, 24) for v in range(1, base + 4)]
+    for tag, version in got.items():  # each printed version holds that run's own rows
+        (mine,) = [r for r in t if r["v"] == version]
+        assert (mine["note"], mine["lo"], mine["hi"]) == (tag, len(tag), len(tag))
+    newest = store.sql("SELECT DISTINCT reward FROM rollouts_scored")["reward"].to_pylist()
+    winner = [tag for tag, v in got.items() if v == base + 3][0]
+    assert newest == [float(len(winner))]
