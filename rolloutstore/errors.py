@@ -83,6 +83,18 @@ class OutputDiskFullError(DiskFullError):
         )
 
 
+class WriteConflictError(RolloutStoreError, OSError):
+    """A commit kept losing to concurrent writers (after bounded retries); nothing of it was
+    committed."""
+
+    def __init__(self, what: str, uri: str, attempts: int):
+        super().__init__(
+            f"{what} of {uri!r} lost the commit race to concurrent writers {attempts} times in "
+            "a row; nothing of it was committed and the store is intact; run it again (when "
+            "fewer writers are active)"
+        )
+
+
 class CorruptStoreError(RolloutStoreError, OSError):
     """The newest version of a store cannot be read (a torn manifest)."""
 

@@ -37,7 +37,8 @@ Rules:
   as of the rewards table version the re-scoring read, and its commit (a Lance ``Merge`` of
   the table's fragments plus the new ones, on that read version) fails when any other
   re-scoring committed since. The loser discards its fragments and runs again on the new
-  newest version (up to ``COMMIT_ATTEMPTS`` times; the scorer sees its rows again), exactly
+  newest version (``COMMIT_ATTEMPTS`` times at most, then WriteConflictError; the scorer sees
+  its rows again), exactly
   as if it had started after the winner. The rewards table is created empty first (once,
   whoever wins), so the first re-scoring is no ``Overwrite`` that could replace another.
 """
@@ -46,8 +47,6 @@ from __future__ import annotations
 
 import json
 import math
-import random
-import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -63,13 +62,12 @@ from lance.fragment import write_fragments
 from rolloutstore.errors import QueryError, RescoreError
 from rolloutstore.schema import spec as S
 from rolloutstore.store.gc import discard_fragments
-from rolloutstore.store.layout import REWARDS, exists, join
+from rolloutstore.store.layout import REWARDS, exists, join, retry_conflicts
 
 if TYPE_CHECKING:
     from rolloutstore.store.log import RolloutLog
 
 BATCH_ROWS = 4096
-COMMIT_ATTEMPTS = 8  # re-scorings that lose the commit race run again, up to this many times
 READ_COLUMNS = [
     "rollout_id", "group_id", "prompt_text", "completion_text", "metadata", "reward",
 ]  # fmt: skip
@@ -224,14 +222,10 @@ def rescore(
 
     scorer_json = json.dumps({"task": name, **resolved.spec}, sort_keys=True, default=str)
     attempt = _Attempt(store, _select_sql(where), [rows_task, *params, rows_task], where, params)
-    for tries in range(1, COMMIT_ATTEMPTS + 1):
-        result = attempt.run(resolved, advantage_fn, name, scorer_json, note, progress)
-        if result is not None:
-            return result
-        time.sleep(random.uniform(0, 0.05 * tries))  # lost the race: back off, read again
-    raise RescoreError(
-        f"re-scoring {store.uri!r} lost the commit race to other re-scorings "
-        f"{COMMIT_ATTEMPTS} times in a row; nothing of it was written; run it again"
+    return retry_conflicts(
+        "re-scoring",
+        store.uri,
+        lambda: attempt.run(resolved, advantage_fn, name, scorer_json, note, progress),
     )
 
 
@@ -246,8 +240,9 @@ class _Attempt:
     params: list
 
     def run(self, scorer: Scorer, advantage_fn: AdvantageFn, name: str, scorer_json: str,
-            note: str | None, progress: bool) -> RescoreResult | None:  # fmt: skip
-        """The result, or None when another re-scoring committed first (nothing written)."""
+            note: str | None, progress: bool) -> RescoreResult:  # fmt: skip
+        """The result; Lance's commit conflict when another re-scoring committed first
+        (nothing of this try written)."""
         from rolloutstore.query.sql import run
 
         store = self.store
@@ -278,7 +273,7 @@ class _Attempt:
             _commit(store, rewards_ds, fragments)
         except CommitConflictError:
             discard_fragments(store.uri, fragments, REWARDS)
-            return None
+            raise
         return tally.result(version)
 
 

@@ -14,6 +14,7 @@ import os
 import stat
 import tempfile
 import threading
+from datetime import timedelta
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -25,6 +26,7 @@ from hypothesis import strategies as st
 from rolloutstore import RolloutStore
 from rolloutstore.cli.main import main
 from rolloutstore.errors import OutputDiskFullError, SchemaError
+from rolloutstore.store.layout import COMMIT_ATTEMPTS
 
 
 @pytest.fixture
@@ -415,3 +417,79 @@ def test_racing_rescorings_get_distinct_versions_and_lose_no_row(tmp_path, first
     newest = store.sql("SELECT DISTINCT reward FROM rollouts_scored")["reward"].to_pylist()
     winner = [tag for tag, v in got.items() if v == base + 3][0]
     assert newest == [float(len(winner))]
+
+
+# -- compact and migrate losing commit races to appenders (item 15) -----------------------
+def _unreferenced(store: RolloutStore) -> list[str]:
+    return store.gc(min_age=timedelta(0), dry_run=True).removed
+
+
+@pytest.mark.parametrize("losses", [2, COMMIT_ATTEMPTS])
+def test_compact_losing_to_appenders_runs_again_or_is_one_line(store, capsys, monkeypatch, losses):
+    from lance.dataset import DatasetOptimizer
+
+    other = RolloutStore.open(store.uri)
+    real = DatasetOptimizer.compact_files
+
+    def conflicting(self, *a, **k):  # the fault: an appender commits first, Lance refuses ours
+        if conflicting.calls < losses:
+            conflicting.calls += 1
+            other.append(make_rows(2, seed=100 + conflicting.calls))
+            raise OSError(
+                "Retryable commit conflict for version 9: This Rewrite transaction was "
+                "preempted by concurrent transaction Append at version 9. Please retry."
+            )
+        return real(self, *a, **k)
+
+    conflicting.calls = 0
+    monkeypatch.setattr(DatasetOptimizer, "compact_files", conflicting)
+    rc = main(["compact", store.uri])
+    out, err = capsys.readouterr()
+    if losses < COMMIT_ATTEMPTS:
+        assert rc == 0, err
+        assert json.loads(out)["rollouts"]["fragments_added"] >= 1
+    else:
+        _one_error_line(rc, err, "lost the commit race", "store is intact")
+    assert store.count() == 12 + 2 * losses  # every appended row is there
+
+
+def _v1_store(path: Path) -> RolloutStore:
+    from rolloutstore.store import layout
+
+    layout.create(str(path), 4, None, schema_version=1)
+    store = RolloutStore.open(path)
+    store.append(make_rows(12))
+    return store
+
+
+@pytest.mark.parametrize("losses", [1, 3, COMMIT_ATTEMPTS])
+def test_migrate_losing_to_a_racing_append_runs_again_over_its_rows(
+    tmp_path, capsys, monkeypatch, losses
+):
+    from rolloutstore.store import migrate as M
+
+    store = _v1_store(tmp_path / "v1")
+    other = RolloutStore.open(store.uri)
+    real = M._commit
+
+    def racing(*a, **k):  # a real append commits between the migration's read and its commit
+        if racing.calls < losses:
+            racing.calls += 1
+            other.append(make_rows(3, seed=100 + racing.calls))
+        return real(*a, **k)
+
+    racing.calls = 0
+    monkeypatch.setattr(M, "_commit", racing)
+    rc = main(["migrate", store.uri])
+    out, err = capsys.readouterr()
+    store = RolloutStore.open(store.uri)
+    assert store.count() == 12 + 3 * losses  # the racing appends are kept, never refused
+    if losses < COMMIT_ATTEMPTS:
+        assert rc == 0 and "migrated store" in out, err
+        assert store.schema_version == 2
+        t = store.sql("SELECT count(*) AS n FROM rollouts_stored WHERE num_turns = 1")
+        assert t["n"][0].as_py() == store.count()  # the v2 columns written for every row
+    else:
+        _one_error_line(rc, err, "migration", "lost the commit race")
+        assert store.schema_version == 1
+    assert _unreferenced(store) == []  # each lost try removed the files it wrote
