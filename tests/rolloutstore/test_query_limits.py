@@ -116,7 +116,10 @@ def test_sigint_stops_a_running_query_promptly(store):
 )
 def test_a_timeout_is_a_finite_number_of_seconds_in_range(store, timeout):
     if math.isfinite(timeout) and MIN_TIMEOUT <= timeout <= MAX_TIMEOUT:
-        assert store.sql("SELECT 1 AS x", timeout=timeout)["x"][0].as_py() == 1
+        try:  # accepted: it answers, or (a few ms on a busy machine) hits its own limit
+            assert store.sql("SELECT 1 AS x", timeout=timeout)["x"][0].as_py() == 1
+        except QueryTimeoutError:
+            assert timeout < 1
     else:  # refused before the query: no watchdog thread dying on it, no unbounded query
         with pytest.raises(QueryError, match="timeout must be a number of seconds"):
             store.sql("SELECT 1 AS x", timeout=timeout)
