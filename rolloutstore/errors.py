@@ -67,6 +67,34 @@ class DiskFullError(RolloutStoreError, OSError):
         )
 
 
+class OutputDiskFullError(DiskFullError):
+    """The disk (or device) filled up while an output (``export``, ``sql --out``) was written."""
+
+    def __init__(self, what: str, path: str, in_place: bool):
+        kept = (
+            "it was written in place (a device or FIFO), so part of it may have gone through"
+            if in_place
+            else "nothing of it was kept (its temp file was removed) and an older file there "
+            "is unchanged"
+        )
+        super(DiskFullError, self).__init__(
+            f"writing the {what} {path!r} needs more space than is free (no space left on "
+            f"device); {kept}; free disk space or write it elsewhere, and retry"
+        )
+
+
+class WriteConflictError(RolloutStoreError, OSError):
+    """A commit kept losing to concurrent writers (after bounded retries); nothing of it was
+    committed."""
+
+    def __init__(self, what: str, uri: str, attempts: int):
+        super().__init__(
+            f"{what} of {uri!r} lost the commit race to concurrent writers {attempts} times in "
+            "a row; nothing of it was committed and the store is intact; run it again (when "
+            "fewer writers are active)"
+        )
+
+
 class CorruptStoreError(RolloutStoreError, OSError):
     """The newest version of a store cannot be read (a torn manifest)."""
 

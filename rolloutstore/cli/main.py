@@ -42,7 +42,7 @@ from rolloutstore.cli.base import MOVED, Parser, add_debug_flag, open_store, run
 from rolloutstore.cli.ingest import add_fill_commands
 from rolloutstore.cli.maintain import add_maintenance_commands
 from rolloutstore.cli.output import write_result
-from rolloutstore.errors import UsageError
+from rolloutstore.errors import QueryError, UsageError
 
 
 def _param(s: str):
@@ -56,9 +56,9 @@ def cmd_sql(a) -> None:
 
     store = open_store(a.store)
     if a.out:
-        from rolloutstore.io.export import check_output_path
+        from rolloutstore.io.outputs import output_target
 
-        check_output_path(a.out, what="--out file")  # before the query runs
+        output_target(a.out, what="--out file")  # checked before the query runs
     if a.version is not None:
         known = [v["version"] for v in store.versions()]
         if a.version not in known:
@@ -252,12 +252,23 @@ def _add_query_commands(sub) -> None:
     p.set_defaults(func=cmd_sample)
 
 
+def _seconds(s: str) -> float:
+    from rolloutstore.query.limits import check_timeout
+
+    try:
+        return check_timeout(float(s))
+    except ValueError as exc:  # argparse names the option: "argument --timeout: ..."
+        raise argparse.ArgumentTypeError(
+            str(exc) if isinstance(exc, QueryError) else f"expected seconds, got {s!r}"
+        ) from None
+
+
 def _timeout_arg(p: argparse.ArgumentParser) -> None:
     from rolloutstore.query.sql import DEFAULT_TIMEOUT
 
     p.add_argument(
         "--timeout",
-        type=float,
+        type=_seconds,
         default=DEFAULT_TIMEOUT,
         metavar="S",
         help=f"interrupt the query after S seconds (default {DEFAULT_TIMEOUT:g})",

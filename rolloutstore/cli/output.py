@@ -1,13 +1,11 @@
 """What the CLI prints and writes: terminal tables (control characters escaped), CSV, JSON,
-Parquet, and ``--out`` files written through a temporary file (never into a store)."""
+Parquet, and ``--out`` files written through a temporary file, or in place into a device or
+FIFO (never into a store; :mod:`rolloutstore.io.outputs`)."""
 
 from __future__ import annotations
 
 import json
-import os
 import sys
-from collections.abc import Callable
-from pathlib import Path
 
 import pyarrow as pa
 
@@ -69,14 +67,14 @@ def write_result(table: pa.Table, fmt: str, out: str | None) -> None:
     import pyarrow.csv as pcsv
     import pyarrow.parquet as pq
 
-    if out:
-        from rolloutstore.io.export import check_output_path
+    from rolloutstore.io.outputs import open_output, output_target
 
-        check_output_path(out, what="--out file")
+    target = output_target(out, what="--out file") if out else None
     if fmt == "parquet":
-        if not out:
+        if target is None:
             raise UsageError("--format parquet needs --out FILE")
-        _write_atomic(out, lambda tmp: pq.write_table(table, tmp, compression="zstd"))
+        with open_output(target) as f:  # a file object: pyarrow removes a path it fails to write
+            pq.write_table(table, f, compression="zstd")
         return
     if fmt == "table":
         text = format_table(table, max_rows=table.num_rows if out else 50, escape=not out) + "\n"
@@ -98,23 +96,11 @@ def write_result(table: pa.Table, fmt: str, out: str | None) -> None:
         )
         pcsv.write_csv(flat, buf)
         text = buf.getvalue().decode()
-    if out:
-        _write_atomic(out, lambda tmp: Path(tmp).write_text(text))
+    if target is not None:
+        with open_output(target) as f:
+            f.write(text.encode())
     else:
         sys.stdout.write(text)
-
-
-def _write_atomic(out: str, write: Callable[[str], object]) -> None:
-    """Write through a temp file beside ``out``, renamed when complete, removed on any error."""
-    tmp = os.path.join(
-        os.path.dirname(os.path.abspath(out)), f".{Path(out).name}.tmp-{os.getpid()}"
-    )
-    try:
-        write(tmp)
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 def print_stats(st: dict) -> None:

@@ -11,7 +11,7 @@ Rows are read as Arrow record batches from the store's locked-down DuckDB
 connection and written batch by batch, so memory stays bounded by one batch
 (``sft``/``dpo`` also sort their output by key inside DuckDB, which spills to
 disk when it must). A file is written under a temporary name and renamed when
-complete: a failed export leaves no partial file.
+complete: a failed export (a full disk too: one OutputDiskFullError) leaves no partial file.
 
 Shapes (``as_``):
 
@@ -46,7 +46,8 @@ of ``{"role", "content"}`` turns and ``sft`` adds ``messages`` (prompt turns + c
 ``... FROM rollouts WHERE (<where>)`` with ``params`` bound to its ``?``
 placeholders, and must be one boolean expression over the store's columns
 (:func:`rolloutstore.query.sql.check_where`). ``timeout`` (seconds) interrupts a query
-that runs longer. ``out`` may not lie inside a store folder (:func:`check_output_path`).
+that runs longer. ``out`` may not lie inside a store folder; a device or FIFO there (e.g.
+``/dev/stdout``) is written in place, never renamed over (:mod:`rolloutstore.io.outputs`).
 
 This module checks the options and streams rows to files; the shapes' columns, output
 schema and queries live in :mod:`rolloutstore.export_shapes`.
@@ -54,7 +55,6 @@ schema and queries live in :mod:`rolloutstore.export_shapes`.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -63,14 +63,21 @@ import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import date, datetime
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, BinaryIO, Literal, get_args
 
 import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from rolloutstore.errors import ExportError, MissingDependencyError, OutputPathError, QueryError
+from rolloutstore.errors import ExportError, MissingDependencyError, QueryError
+from rolloutstore.io.outputs import (
+    OutputTarget,
+    check_output_path,
+    open_output,
+    output_folder,
+    output_target,
+    remove_stale_temps,
+)
 from rolloutstore.io.shapes import (
     DPO_COLUMNS,
     SFT_COLUMNS,
@@ -88,7 +95,6 @@ __all__ = [
     "ExportError",
     "ExportResult",
     "MissingDependencyError",
-    "check_output_path",
     "check_where",
     "export",
     "infer_format",
@@ -111,54 +117,6 @@ class ExportResult:
     path: str
 
 
-# -- outputs -------------------------------------------------------------------------------
-def check_output_path(path: str | os.PathLike, *, what: str = "output") -> str:
-    """Refuse an output path inside a store or Lance dataset folder (symlinks resolved).
-
-    Writing there (a manifest, a data file, the store folder itself) would corrupt
-    the store, so ``export`` and ``sql --out`` refuse it with OutputPathError.
-    """
-    raw = os.fspath(path)
-    if "://" in raw:
-        return raw
-    real = Path(os.path.realpath(raw))
-    for folder in (real, *real.parents):
-        if folder.name.endswith(".lance") or (folder / "rollouts.lance").is_dir():
-            kind = "Lance dataset" if folder.name.endswith(".lance") else "store"
-            raise OutputPathError(
-                f"refusing to write the {what} {raw!r}: it lies inside the {kind} folder "
-                f"{str(folder)!r} (resolved: {str(real)!r}) and would corrupt it; "
-                "write it outside every store folder"
-            )
-    return raw
-
-
-def _remove_stale_temps(parent: str, name: str) -> None:
-    """Temp outputs (``.NAME.tmp-PID``) of exports whose process is gone (e.g. killed)."""
-    prefix = f".{name}.tmp-"
-    try:
-        entries = os.listdir(parent)
-    except OSError:
-        return
-    for entry in entries:
-        if not entry.startswith(prefix) or not entry[len(prefix) :].isdigit():
-            continue
-        pid = int(entry[len(prefix) :])
-        try:
-            os.kill(pid, 0)
-            continue  # still running
-        except ProcessLookupError:
-            pass
-        except OSError:
-            continue
-        stale = os.path.join(parent, entry)
-        if os.path.isdir(stale):
-            shutil.rmtree(stale, ignore_errors=True)
-        else:
-            with contextlib.suppress(OSError):
-                os.remove(stale)
-
-
 def _check_number(name: str, value: float | None) -> float | None:
     if value is None:
         return None
@@ -178,33 +136,36 @@ def _json_default(v: Any) -> Any:
     raise TypeError(f"cannot encode {type(v).__name__} as JSON")
 
 
-def _write_parquet(batches: Iterator[pa.RecordBatch], schema: pa.Schema, path: str) -> None:
-    with pq.ParquetWriter(path, schema, compression="zstd") as w:
+def _write_parquet(
+    batches: Iterator[pa.RecordBatch], schema: pa.Schema, sink: str | BinaryIO
+) -> None:
+    # A file object, not a path, for outputs: pyarrow removes a path it failed to write,
+    # and a device written in place (/dev/full) must never be removed.
+    with pq.ParquetWriter(sink, schema, compression="zstd") as w:
         for b in batches:
             w.write_batch(b)
 
 
 def _write_jsonl(
-    batches: Iterator[pa.RecordBatch], schema: pa.Schema, path: str, zst: bool
+    batches: Iterator[pa.RecordBatch], schema: pa.Schema, raw: BinaryIO, zst: bool
 ) -> None:
-    with open(path, "wb") as raw:
-        if zst:
-            import zstandard
+    if zst:
+        import zstandard
 
-            sink = zstandard.ZstdCompressor(level=6).stream_writer(raw, closefd=False)
-        else:
-            sink = raw
-        try:
-            for b in batches:
-                lines = [
-                    json.dumps(r, default=_json_default, ensure_ascii=False, allow_nan=False)
-                    for r in b.to_pylist()
-                ]
-                if lines:
-                    sink.write(("\n".join(lines) + "\n").encode("utf-8"))
-        finally:
-            if zst:
-                sink.close()
+        sink = zstandard.ZstdCompressor(level=6).stream_writer(raw, closefd=False)
+    else:
+        sink = raw
+    try:
+        for b in batches:
+            lines = [
+                json.dumps(r, default=_json_default, ensure_ascii=False, allow_nan=False)
+                for r in b.to_pylist()
+            ]
+            if lines:
+                sink.write(("\n".join(lines) + "\n").encode("utf-8"))
+    finally:
+        if zst:
+            sink.close()
 
 
 def _import_datasets():
@@ -268,6 +229,7 @@ def export(
     """
     path = check_output_path(out, what="export output")
     format = _resolve_format(path, format)
+    target = output_target(path, what="export output", folder=format == "hf")
     min_reward, min_margin = _check_shape_options(as_, min_reward, min_margin)
     if where is not None:
         where = check_where(where, store.schema.names, n_params=len(params or []))
@@ -281,8 +243,8 @@ def export(
         shaped = messages_query(store, columns, where, params, tokenizer)
     else:
         shaped = shape_query(store, as_, columns, where, params, min_reward, min_margin, timeout)
-    parent = _prepare_target(path, format)
-    return ExportResult(_write(store, shaped, path, format, parent, progress, timeout), path)
+    _prepare_target(target, format)
+    return ExportResult(_write(store, shaped, target, format, progress, timeout), path)
 
 
 def _resolve_format(path: str, format: ExportFormat | None) -> ExportFormat:
@@ -320,37 +282,34 @@ def _check_shape_options(
     return min_reward, min_margin
 
 
-def _prepare_target(path: str, format: ExportFormat) -> str:
+def _prepare_target(target: OutputTarget, format: ExportFormat) -> None:
     """Refuse a non-empty ``hf`` folder, create the parent folder and clear killed exports'
-    temps there; returns the parent folder."""
+    temps there (nothing for a device or FIFO written in place)."""
+    path = target.path
     if format == "hf" and os.path.isdir(path) and os.listdir(path):
         raise ExportError(
-            f"{path} exists and is not empty; expected a new folder for --format hf "
+            f"{target.given} exists and is not empty; expected a new folder for --format hf "
             "(remove it or choose another OUT)"
         )
-    parent = os.path.dirname(os.path.abspath(path))
-    os.makedirs(parent, exist_ok=True)
-
-    _remove_stale_temps(parent, Path(path).name)
-    return parent
+    if not target.in_place:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        remove_stale_temps(path)
 
 
 def _write(
     store: RolloutLog,
     plan: ShapedQuery,
-    path: str,
+    target: OutputTarget,
     format: ExportFormat,
-    parent: str,
     progress: bool,
     timeout: float | None,
 ) -> int:
-    """Stream ``plan``'s rows into a temp output in ``parent``, then rename it to ``path``;
-    returns the rows written."""
+    """Stream ``plan``'s rows to ``target`` (through a temp output renamed when complete,
+    or in place: :mod:`rolloutstore.io.outputs`); returns the rows written."""
     from tqdm.auto import tqdm
 
     schema, args = plan.schema, plan.args
     con = store.connect()
-    tmp = os.path.join(parent, f".{Path(path).name}.tmp-{os.getpid()}")
     rows = 0
     bar = None
     try:
@@ -376,31 +335,22 @@ def _write(
                         bar.update(part.num_rows)
                         yield part
 
-            if format == "parquet":
-                _write_parquet(batches(), schema, tmp)
-            elif format == "hf":
-                _write_hf(batches(), schema, tmp, progress)
+            if format == "hf":
+                with output_folder(target) as tmp:
+                    _write_hf(batches(), schema, tmp, progress)
             else:
-                _write_jsonl(batches(), schema, tmp, zst=format == "jsonl.zst")
-            if format == "hf" and os.path.isdir(path):
-                os.rmdir(path)  # empty (checked above)
-            os.replace(tmp, path)
+                with open_output(target) as f:
+                    if format == "parquet":
+                        _write_parquet(batches(), schema, f)
+                    else:
+                        _write_jsonl(batches(), schema, f, zst=format == "jsonl.zst")
     except duckdb.Error as exc:
         raise QueryError(f"export query failed: {type(exc).__name__}: {exc}") from exc
-    finally:  # also on KeyboardInterrupt / SystemExit: no partial or hidden temp output
+    finally:
         if bar is not None:
             bar.close()
         con.close()
-        _remove(tmp)
     return rows
-
-
-def _remove(tmp: str) -> None:
-    if os.path.isdir(tmp):
-        shutil.rmtree(tmp, ignore_errors=True)
-    elif os.path.exists(tmp):
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
 
 
 def _implied_format(path: str) -> ExportFormat | None:

@@ -1,10 +1,18 @@
 """Query limits for DuckDB connections: a time limit per guarded query (a watchdog thread
-calls ``DuckDBPyConnection.interrupt()`` at the deadline), and Ctrl-C interrupting every
-guarded query at once while :func:`sigint_interrupts` is active (the CLI)."""
+calls ``DuckDBPyConnection.interrupt()`` from the deadline on), and Ctrl-C interrupting every
+guarded query at once while :func:`sigint_interrupts` is active (the CLI).
+
+A time limit is a finite number of seconds from ``MIN_TIMEOUT`` (1 ms) to ``MAX_TIMEOUT``
+(one week); anything else (0, a negative, ``inf``, ``nan``, ``1e300``) is refused before a
+query runs. DuckDB forgets an interrupt that arrives while no query is running (a deadline
+reached before the query starts, or between two queries of the block), so the watchdog
+repeats it every ``REPEAT_S`` until the block ends.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import signal
 import threading
@@ -18,6 +26,23 @@ from rolloutstore.errors import QueryError, QueryInterrupted, QueryTimeoutError
 _active: weakref.WeakSet = weakref.WeakSet()  # connections running a guarded query
 _active_lock = threading.Lock()
 
+MIN_TIMEOUT = 0.001
+MAX_TIMEOUT = 7 * 24 * 3600.0
+REPEAT_S = 0.01
+
+
+def check_timeout(timeout: float | None) -> float | None:
+    """``timeout`` as float seconds (None: no limit), or QueryError naming the range."""
+    if timeout is None:
+        return None
+    ok = isinstance(timeout, int | float) and not isinstance(timeout, bool)
+    if not (ok and math.isfinite(timeout) and MIN_TIMEOUT <= timeout <= MAX_TIMEOUT):
+        raise QueryError(
+            f"timeout must be a number of seconds from {MIN_TIMEOUT:g} to {MAX_TIMEOUT:g} "
+            f"(one week), got {timeout!r}; leave it out for the default"
+        )
+    return float(timeout)
+
 
 @contextlib.contextmanager
 def limits(con: duckdb.DuckDBPyConnection, timeout: float | None) -> Iterator[None]:
@@ -27,19 +52,23 @@ def limits(con: duckdb.DuckDBPyConnection, timeout: float | None) -> Iterator[No
     query raises :class:`QueryTimeoutError`. While :func:`sigint_interrupts` is active,
     Ctrl-C interrupts the query too, raising ``KeyboardInterrupt``.
     """
-    if timeout is not None and not timeout > 0:
-        raise QueryError(f"timeout must be > 0 seconds, got {timeout!r}")
-    fired = threading.Event()
-    timer = None
+    timeout = check_timeout(timeout)
+    fired, done = threading.Event(), threading.Event()
+    watchdog = None
     if timeout is not None:
 
-        def fire() -> None:
+        def watch() -> None:
+            if done.wait(timeout):
+                return
             fired.set()
-            con.interrupt()
+            while True:  # an interrupt landing between queries is forgotten: repeat it
+                with contextlib.suppress(Exception):
+                    con.interrupt()
+                if done.wait(REPEAT_S):
+                    return
 
-        timer = threading.Timer(timeout, fire)
-        timer.daemon = True
-        timer.start()
+        watchdog = threading.Thread(target=watch, daemon=True, name="rolloutstore-timeout")
+        watchdog.start()
     with _active_lock:
         _active.add(con)
     try:
@@ -52,8 +81,9 @@ def limits(con: duckdb.DuckDBPyConnection, timeout: float | None) -> Iterator[No
             ) from exc
         raise QueryInterrupted("the query was interrupted (Ctrl-C)") from exc
     finally:
-        if timer is not None:
-            timer.cancel()
+        done.set()
+        if watchdog is not None:
+            watchdog.join()  # no interrupt of this connection after the block
         with _active_lock:
             _active.discard(con)
 

@@ -33,13 +33,21 @@ Rules:
 - All rows of a re-scoring commit at once (fragments are written as it goes, then one
   Lance commit): a failure part-way leaves no partial version. A bad ``where``, an
   unknown task or a row without its answer is refused before anything is written.
-- Re-scorings are single-writer: two run concurrently could pick the same version.
+- Concurrent re-scorings get distinct versions and none is lost: the version is newest + 1
+  as of the rewards table version the re-scoring read, and its commit (a Lance ``Merge`` of
+  the table's fragments plus the new ones, on that read version) fails when any other
+  re-scoring committed since. The loser discards its fragments and runs again on the new
+  newest version (``COMMIT_ATTEMPTS`` times at most, then WriteConflictError; the scorer sees
+  its rows again), exactly
+  as if it had started after the winner. The rewards table is created empty first (once,
+  whoever wins), so the first re-scoring is no ``Overwrite`` that could replace another.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -48,10 +56,13 @@ from typing import TYPE_CHECKING, Any
 import lance
 import numpy as np
 import pyarrow as pa
+from lance.commit import CommitConflictError
 from lance.fragment import write_fragments
 
 from rolloutstore.errors import QueryError, RescoreError
 from rolloutstore.schema import spec as S
+from rolloutstore.store.gc import discard_fragments
+from rolloutstore.store.layout import REWARDS, exists, join, retry_conflicts
 
 if TYPE_CHECKING:
     from rolloutstore.store.log import RolloutLog
@@ -193,8 +204,6 @@ def rescore(
     ``advantage_fn(rewards, group_ids)``: group advantages of the new rewards (default:
     the scorer's own, e.g. a task's group advantages).
     """
-    from rolloutstore.query.sql import run
-
     # Check, stream every group through the scorer into uncommitted fragments, then one
     # commit (the single commit boundary stays visible here).
     store.check_writable()
@@ -211,32 +220,76 @@ def rescore(
     if not rows_task:
         raise RescoreError("the scorer has no name: pass from_task to say which rows it scores")
 
-    con = store.connect()
-    sql = _select_sql(where)
-    bound = [rows_task, *params, rows_task]
-    try:
-        total = run(con, f"SELECT count(*) AS n FROM ({sql})", bound)["n"][0].as_py()
-    except QueryError as exc:
-        raise RescoreError(f"--where {where!r} with params {params}: {exc}") from exc
-    if total == 0:
-        return RescoreResult(0, 0, None, None, None, 0)
-    rewards_ds = store.rewards_table()
-    newest = run(con, "SELECT max(reward_version) AS v FROM rewards")["v"][0].as_py()
-    version = (newest or 0) + 1
-    reader = con.sql(sql, params=bound).to_arrow_reader(BATCH_ROWS)
-    scorer_json = json.dumps(
-        {"task": name, **resolved.spec},
-        sort_keys=True,
-        default=str,
-    )  # fmt: skip
-    meta = {"version": version, "task": name, "scorer": scorer_json, "note": note}
-    bar = _bar(total, progress)
-    try:
-        fragments, tally = _write_fragments(store, reader, resolved, advantage_fn, meta, bar)
-    finally:
-        bar.close()
-    _commit(store, rewards_ds, fragments)
-    return tally.result(version)
+    scorer_json = json.dumps({"task": name, **resolved.spec}, sort_keys=True, default=str)
+    attempt = _Attempt(store, _select_sql(where), [rows_task, *params, rows_task], where, params)
+    return retry_conflicts(
+        "re-scoring",
+        store.uri,
+        lambda: attempt.run(resolved, advantage_fn, name, scorer_json, note, progress),
+    )
+
+
+@dataclass
+class _Attempt:
+    """One try of a re-scoring: read the newest version, score, write, commit."""
+
+    store: RolloutLog
+    sql: str
+    bound: list
+    where: str | None
+    params: list
+
+    def run(self, scorer: Scorer, advantage_fn: AdvantageFn, name: str, scorer_json: str,
+            note: str | None, progress: bool) -> RescoreResult:  # fmt: skip
+        """The result; Lance's commit conflict when another re-scoring committed first
+        (nothing of this try written)."""
+        from rolloutstore.query.sql import run
+
+        store = self.store
+        con = store.connect()
+        try:
+            total = run(con, f"SELECT count(*) AS n FROM ({self.sql})", self.bound)["n"][0]
+        except QueryError as exc:
+            raise RescoreError(f"--where {self.where!r} with params {self.params}: {exc}") from exc
+        finally:
+            con.close()
+        if total.as_py() == 0:
+            return RescoreResult(0, 0, None, None, None, 0)
+        # The version read first: the SQL below sees it or a newer one, never an older one,
+        # so a commit since (another re-scoring) always makes ours conflict.
+        rewards_ds = _rewards_dataset(store)
+        con = store.connect()
+        bar = _bar(total.as_py(), progress)
+        try:
+            newest = run(con, "SELECT max(reward_version) AS v FROM rewards")["v"][0].as_py()
+            version = (newest or 0) + 1
+            reader = con.sql(self.sql, params=self.bound).to_arrow_reader(BATCH_ROWS)
+            meta = {"version": version, "task": name, "scorer": scorer_json, "note": note}
+            fragments, tally = _write_fragments(store, reader, scorer, advantage_fn, meta, bar)
+        finally:
+            bar.close()
+            con.close()
+        try:
+            _commit(store, rewards_ds, fragments)
+        except CommitConflictError:
+            discard_fragments(store.uri, fragments, REWARDS)
+            raise
+        return tally.result(version)
+
+
+def _rewards_dataset(store: RolloutLog) -> lance.LanceDataset:
+    """The rewards table, created empty if it does not exist yet (a creation race is won by
+    one process; the others open its table)."""
+    target = join(store.uri, REWARDS)
+    if not exists(target, store.storage_options):
+        sch = S.table_schema("rewards")
+        try:
+            lance.write_dataset(sch.empty_table(), target, schema=sch, mode="create",
+                                storage_options=store.storage_options)  # fmt: skip
+        except (OSError, ValueError):
+            if not exists(target, store.storage_options):
+                raise
+    return lance.dataset(target, storage_options=store.storage_options)
 
 
 def _check_filter(
@@ -298,7 +351,7 @@ def _write_fragments(
     """Score every group ``reader`` yields and write its rows under ``meta["version"]`` as
     uncommitted fragments of the rewards table; returns them and the totals."""
     sch = S.table_schema("rewards")
-    target = store.uri.rstrip("/") + "/rewards.lance"
+    target = join(store.uri, REWARDS)
     now = datetime.now(UTC)
     fragments: list = []
     tally = _Tally()
@@ -313,18 +366,16 @@ def _write_fragments(
     return fragments, tally
 
 
-def _commit(store: RolloutLog, rewards_ds: Any, fragments: list) -> None:
-    """One commit for the whole re-scoring: until here nothing is visible."""
-    sch = S.table_schema("rewards")
-    target = store.uri.rstrip("/") + "/rewards.lance"
-    if isinstance(rewards_ds, lance.LanceDataset):
-        op = lance.LanceOperation.Append(fragments)
-        read_version = rewards_ds.version
-    else:
-        op = lance.LanceOperation.Overwrite(sch, fragments)
-        read_version = None
+def _commit(store: RolloutLog, rewards_ds: lance.LanceDataset, fragments: list) -> None:
+    """One commit for the whole re-scoring: until here nothing is visible. A ``Merge`` (the
+    table's fragments plus ours) on the version read conflicts with any commit since, where
+    two ``Append``s would both succeed; raises CommitConflictError then."""
+    old = [f.metadata for f in rewards_ds.get_fragments()]
+    with warnings.catch_warnings():  # a pyarrow schema: the one the table was created with
+        warnings.simplefilter("ignore", DeprecationWarning)
+        op = lance.LanceOperation.Merge(old + fragments, S.table_schema("rewards"))
     lance.LanceDataset.commit(
-        target, op, read_version=read_version, storage_options=store.storage_options
+        rewards_ds.uri, op, read_version=rewards_ds.version, storage_options=store.storage_options
     )
 
 

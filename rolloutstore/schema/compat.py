@@ -32,7 +32,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from rolloutstore.errors import RolloutStoreError, SchemaVersionError, ValidationError
+from rolloutstore.errors import RolloutStoreError, SchemaError, SchemaVersionError, ValidationError
 from rolloutstore.schema import spec as S
 
 # The columns v2 adds (at the end of the schema, in this order).
@@ -177,6 +177,35 @@ def to_stored(table: pa.Table, version: int, embedding_dim: int, uri: str) -> pa
         )
     stored = S.rollout_schema(embedding_dim, version)
     return table.select(stored.names).cast(stored)
+
+
+def check_columns(found: pa.Schema, version: int, embedding_dim: int, uri: str) -> None:
+    """Refuse to append to a dataset whose columns are not those of its schema ``version``
+    (a column added, dropped or retyped outside rolloutstore): Lance would refuse the
+    fragments with a raw error after they were written."""
+    expected = S.rollout_schema(embedding_dim, version)
+    if [(f.name, f.type) for f in found] == [(f.name, f.type) for f in expected]:
+        return
+    extra = [n for n in found.names if n not in expected.names]
+    missing = [n for n in expected.names if n not in found.names]
+    retyped = [
+        n
+        for n in found.names
+        if n in expected.names and found.field(n).type != expected.field(n).type
+    ]
+    diff = (
+        "; ".join(
+            f"{what} {names}"
+            for what, names in (("extra", extra), ("missing", missing), ("retyped", retyped))
+            if names
+        )
+        or "the columns in another order"
+    )
+    raise SchemaError(
+        f"store {uri!r}: expected the columns of rollout schema v{version}, found {diff}; it "
+        "was changed outside rolloutstore, so appends are refused (nothing was written); "
+        "drop what was added with Lance (`LanceDataset.drop_columns`) or restore the store from a copy"
+    )
 
 
 def refuse_if_migrated(open_latest, version: int, exc: BaseException) -> None:

@@ -137,13 +137,18 @@ def _schema(cols, metadata: dict[bytes, bytes] | None, embedding_dim: int) -> pa
     return pa.schema(fields, metadata=metadata)
 
 
+def check_embedding_dim(embedding_dim: int) -> None:
+    """Refuse an embedding dimension that is not a positive int."""
+    if isinstance(embedding_dim, bool) or not isinstance(embedding_dim, int) or embedding_dim < 1:
+        raise SchemaError(f"embedding_dim must be a positive int, got {embedding_dim!r}")
+
+
 def rollout_schema(
     embedding_dim: int = DEFAULT_EMBEDDING_DIM, version: int = SCHEMA_VERSION
 ) -> pa.Schema:
     """Arrow schema of the ``rollouts`` table (schema ``version``) for a store of
     ``embedding_dim``."""
-    if not isinstance(embedding_dim, int) or embedding_dim < 1:
-        raise SchemaError(f"embedding_dim must be a positive int, got {embedding_dim!r}")
+    check_embedding_dim(embedding_dim)
     meta = {
         META_VERSION: str(version).encode(),
         META_EMBEDDING_DIM: str(embedding_dim).encode(),
@@ -165,15 +170,28 @@ def read_metadata(schema: pa.Schema) -> tuple[int, int]:
             "this Lance dataset was not written by rolloutstore (no schema version in its "
             "metadata); ingest its rows with `rolloutstore ingest` instead"
         )
-    version = int(meta[META_VERSION])
+    version = _positive_int(meta, META_VERSION)
     if version not in READABLE_VERSIONS:
         raise SchemaVersionError(
             f"store was written with rollout schema v{version}, this rolloutstore reads "
             f"v{READABLE_VERSIONS[0]} to v{SCHEMA_VERSION}; update rolloutstore "
             "(pip install -U rolloutstore) to open it"
         )
-    dim = int(meta.get(META_EMBEDDING_DIM, DEFAULT_EMBEDDING_DIM))
-    return version, dim
+    if META_EMBEDDING_DIM not in meta:
+        return version, DEFAULT_EMBEDDING_DIM
+    return version, _positive_int(meta, META_EMBEDDING_DIM)
+
+
+def _positive_int(meta: dict, key: bytes) -> int:
+    """The positive integer ``meta[key]`` (ASCII digits) of a dataset's schema metadata."""
+    text = meta[key].decode("utf-8", "replace")
+    if not (text.isascii() and text.isdigit() and int(text) > 0):
+        raise SchemaError(
+            f"the store's schema metadata records {key.decode()} = {text[:40]!r}, expected "
+            "a positive integer: it was damaged or written by another program; restore the "
+            "store from a copy, or set that metadata key with Lance"
+        )
+    return int(text)
 
 
 def describe() -> str:

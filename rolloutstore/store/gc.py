@@ -189,11 +189,12 @@ def references_any(uri: str, storage_options: dict | None, fragments: list) -> b
         return True  # cannot tell: keep the files (gc collects them if unreferenced)
 
 
-def discard_fragments(uri: str, fragments: list) -> None:
-    """Remove the data files of uncommitted rollouts ``fragments`` now (local stores)."""
+def discard_fragments(uri: str, fragments: list, dataset: str = ROLLOUTS) -> None:
+    """Remove the data files of uncommitted ``fragments`` of ``dataset`` (rollouts by
+    default) now (local stores)."""
     if not is_local(uri):
         return
-    data = os.path.join(uri.removeprefix("file://"), ROLLOUTS, "data")
+    data = os.path.join(uri.removeprefix("file://"), dataset, "data")
     for frag in fragments:
         for f in frag.files:
             with contextlib.suppress(OSError):

@@ -1,17 +1,25 @@
 """Where a store's datasets live: their names under the store URI, local folder or object
 store, whether a dataset exists, creating a new store's datasets, the manifest versions of
-a local dataset, its size, and how a full disk shows up in Lance's errors."""
+a local dataset, its size, how a full disk shows up in Lance's errors, and retrying a commit
+that lost to a concurrent writer."""
 
 from __future__ import annotations
 
 import errno
 import os
+import random
+import time
 from collections.abc import Callable
+from typing import TypeVar
 
 import lance
 
-from rolloutstore.errors import StoreNotFoundError
+from rolloutstore.errors import StoreNotFoundError, WriteConflictError
 from rolloutstore.schema import spec as S
+
+T = TypeVar("T")
+# Tries of a commit that loses to concurrent writers (compact, migrate, rescore).
+COMMIT_ATTEMPTS = 8
 
 ROLLOUTS = "rollouts.lance"
 USAGE = "usage.lance"
@@ -89,6 +97,31 @@ def disk_full(exc: OSError) -> bool:
     """Whether ``exc`` says the disk is full."""
     # Lance reports I/O errors from Rust as OSError without errno: match its text too.
     return exc.errno == errno.ENOSPC or "os error 28" in str(exc) or "No space left" in str(exc)
+
+
+def commit_conflict(exc: BaseException) -> bool:
+    """Whether ``exc`` is Lance refusing a commit because another writer committed first."""
+    from lance.commit import CommitConflictError
+
+    return isinstance(exc, CommitConflictError) or (
+        isinstance(exc, OSError) and "commit conflict" in str(exc).lower()
+    )
+
+
+def retry_conflicts(what: str, uri: str, attempt: Callable[[], T]) -> T:
+    """``attempt()`` (which reads the datasets afresh each time), run again with a short
+    random back-off while its commit loses to a concurrent writer, ``COMMIT_ATTEMPTS`` times
+    at most; then WriteConflictError."""
+    for tries in range(1, COMMIT_ATTEMPTS + 1):
+        try:
+            return attempt()
+        except OSError as exc:
+            if not commit_conflict(exc):
+                raise
+            if tries == COMMIT_ATTEMPTS:
+                raise WriteConflictError(what, uri, COMMIT_ATTEMPTS) from exc
+        time.sleep(random.uniform(0, 0.05 * tries))
+    raise AssertionError("unreachable")
 
 
 def bytes_on_disk(uri: str, rollouts: Callable[[], lance.LanceDataset]) -> int | None:

@@ -107,6 +107,8 @@ class RolloutLog:
         an existing store with a different one is an error.
         """
         uri = os.fspath(uri)
+        if embedding_dim is not None:
+            S.check_embedding_dim(embedding_dim)  # before anything is created
         rollouts = join(uri, ROLLOUTS)
         if not exists(rollouts, storage_options):
             if not create:
@@ -229,6 +231,7 @@ class RolloutLog:
         target = join(self.uri, ROLLOUTS)
         ds = self._rollouts()
         read_version, stored = ds.version, schema_compat.stored_version(ds.schema)
+        schema_compat.check_columns(ds.schema, stored, self.embedding_dim, self.uri)
         stored_schema = S.rollout_schema(self.embedding_dim, stored)
         ids = IdCheck(lambda: self._open_ds(ROLLOUTS), on_duplicate)
         fragments: list = []

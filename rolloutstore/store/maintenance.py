@@ -1,4 +1,5 @@
-"""Store upkeep that rewrites no row: compaction of the rollouts and usage datasets, and
+"""Store upkeep that rewrites no row: compaction of the rollouts and usage datasets (run again,
+bounded, when it loses a commit race to concurrent appenders), and
 recovery from a torn newest manifest (open the newest readable version read-only, then
 move the unreadable manifests aside on :meth:`RolloutStore.repair`)."""
 
@@ -14,7 +15,14 @@ from typing import Any
 import lance
 
 from rolloutstore.errors import CorruptStoreError, DiskFullError
-from rolloutstore.store.layout import ROLLOUTS, USAGE, disk_full, join, manifest_versions
+from rolloutstore.store.layout import (
+    ROLLOUTS,
+    USAGE,
+    disk_full,
+    join,
+    manifest_versions,
+    retry_conflicts,
+)
 
 OpenDataset = Callable[..., lance.LanceDataset]  # (name, version=None) -> dataset
 
@@ -24,9 +32,12 @@ def compact(uri: str, open_ds: OpenDataset, cleanup_older_than: timedelta | None
     :meth:`RolloutStore.compact`."""
     out = {}
     for name in (ROLLOUTS, USAGE):
-        ds = open_ds(name)
-        try:
-            metrics = ds.optimize.compact_files()
+
+        def attempt(name: str = name):  # a fresh read of the dataset each time
+            return open_ds(name).optimize.compact_files()
+
+        try:  # appenders commit meanwhile; a compaction that loses to one runs again
+            metrics = retry_conflicts(f"compaction of {name}", uri, attempt)
         except OSError as exc:
             if disk_full(exc):
                 raise DiskFullError(f"compaction of {name}", uri) from exc

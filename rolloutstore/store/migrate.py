@@ -10,8 +10,14 @@ addresses stay, and the ``rollout_id`` index stays valid.
 
 Until that commit nothing a reader sees changes: a failure or a kill before it leaves the
 v1 store readable and writable as it was (the data files written so far are removed on a
-failure; after a kill, ``rolloutstore gc`` collects them). An append that raced the
-migration is refused by Lance's commit check (retry it). On a v2 store it does nothing.
+failure; after a kill, ``rolloutstore gc`` collects them). On a v2 store it does nothing.
+
+Appends racing the migration: one that commits first (after the migration read the store)
+makes the migration's commit conflict; the migration then drops what it wrote and runs again
+over the store with that append's rows (``COMMIT_ATTEMPTS`` times at most, then one
+WriteConflictError, the store still v1). One that read the v1 store and commits after the
+migration is the one refused, by Lance's commit check, with a SchemaVersionError naming the
+migration: append it again.
 
     rolloutstore migrate runs/old/store
 """
@@ -31,7 +37,7 @@ import pyarrow as pa
 from rolloutstore.errors import SchemaError
 from rolloutstore.schema import spec as S
 from rolloutstore.schema.compat import V2_COLUMNS, stored_version
-from rolloutstore.store.layout import ROLLOUTS, is_local, join
+from rolloutstore.store.layout import ROLLOUTS, is_local, join, retry_conflicts
 
 if TYPE_CHECKING:
     from rolloutstore.store.log import RolloutLog
@@ -105,7 +111,12 @@ def _discard_new_files(uri: str, before: dict[int, set[str]], fragments: list) -
 def migrate(store: RolloutLog) -> MigrateResult:
     """Upgrade ``store`` (opened writable) to the current schema; see the module docstring."""
     store.check_writable()
-    ds = store.dataset()
+    return retry_conflicts("migration", store.uri, lambda: _migrate_once(store, store.dataset()))
+
+
+def _migrate_once(store: RolloutLog, ds: lance.LanceDataset) -> MigrateResult:
+    """One try at migrating ``ds`` (the store's latest version); raises Lance's commit conflict
+    when an append committed since it was read (its new files removed)."""
     version = stored_version(ds.schema)
     rows = ds.count_rows()
     if version == S.SCHEMA_VERSION:

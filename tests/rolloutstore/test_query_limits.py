@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
+import math
 import os
 import resource
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 from helpers import make_rows
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rolloutstore import QueryError, RolloutStore
+from rolloutstore.cli.main import main
 from rolloutstore.errors import QueryTimeoutError
+from rolloutstore.query.limits import MAX_TIMEOUT, MIN_TIMEOUT, limits
 
 # A cross join of 10^13 pairs: runs for hours unless interrupted.
 LONG = "SELECT count(*) AS n FROM range(100000000) a, range(100000) b WHERE a.range + b.range = 7"
@@ -32,7 +38,7 @@ def test_api_timeout_interrupts_and_the_store_still_answers(store):
         store.sql(LONG, timeout=0.5)
     assert isinstance(exc.value, QueryError) and isinstance(exc.value, TimeoutError)
     assert store.sql("SELECT count(*) AS n FROM rollouts", timeout=30)["n"][0].as_py() == 8
-    with pytest.raises(QueryError, match="timeout must be > 0"):
+    with pytest.raises(QueryError, match="timeout must be a number of seconds from 0.001"):
         store.sql("SELECT 1", timeout=0)
 
 
@@ -98,3 +104,51 @@ def test_sigint_stops_a_running_query_promptly(store):
     print(f"exit {latency:.2f} s after SIGINT")
     assert p.returncode == 130, err
     assert err.strip().splitlines() == ["error: interrupted"]
+
+
+# -- timeouts checked, tiny ones kept (issue #31 item 10) ----------------------------------
+@settings(max_examples=80, deadline=None)
+@given(
+    timeout=st.floats(allow_nan=True, allow_infinity=True)
+    | st.floats(0, 2 * MIN_TIMEOUT)
+    | st.floats(MAX_TIMEOUT / 2, 2 * MAX_TIMEOUT)
+    | st.integers(-(10**20), 10**20)
+)
+def test_a_timeout_is_a_finite_number_of_seconds_in_range(store, timeout):
+    if math.isfinite(timeout) and MIN_TIMEOUT <= timeout <= MAX_TIMEOUT:
+        try:  # accepted: it answers, or (a few ms on a busy machine) hits its own limit
+            assert store.sql("SELECT 1 AS x", timeout=timeout)["x"][0].as_py() == 1
+        except QueryTimeoutError:
+            assert timeout < 1
+    else:  # refused before the query: no watchdog thread dying on it, no unbounded query
+        with pytest.raises(QueryError, match="timeout must be a number of seconds"):
+            store.sql("SELECT 1 AS x", timeout=timeout)
+
+
+@pytest.mark.parametrize("value", ["inf", "1e300", "1e-9", "nan", "0", "-2", "soon"])
+def test_cli_refuses_a_bad_timeout_in_one_line_and_writes_nothing(store, tmp_path, capsys, value):
+    out = tmp_path / "o.jsonl"
+    for argv in (
+        ["sql", store.uri, "SELECT 1 AS x", "--timeout", value, "--out", str(out)],
+        ["export", store.uri, str(out), "--timeout", value, "-q"],
+    ):
+        assert main(argv) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and "--timeout" in lines[0]
+        assert not out.exists() and os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("timeout", [MIN_TIMEOUT, 0.02])
+def test_a_deadline_reached_before_the_query_starts_still_interrupts(store, timeout):
+    con = store.connect()
+    safety = threading.Timer(20, con.interrupt)  # a lost interrupt: LONG would run for hours
+    safety.start()
+    try:
+        start = time.monotonic()
+        with pytest.raises(QueryTimeoutError), limits(con, timeout):
+            time.sleep(timeout + 0.1)  # the deadline passes before the query starts
+            con.sql(LONG).fetchall()
+        assert time.monotonic() - start < 10  # failure bound: the safety net fires at 20 s
+    finally:
+        safety.cancel()
+        con.close()
