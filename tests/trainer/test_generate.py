@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -151,19 +151,23 @@ def test_failed_batch_leaves_earlier_batches_only(tmp_path, tiny) -> None:
         def __init__(self, inner) -> None:
             self.inner = inner
 
-        def generate(self, prompts, **kw):
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def generate_samples(self, prompts, **kw):
             Broken.calls += 1
             if Broken.calls == 2:
-                rows = self.inner.generate(prompts, **kw)
-                rows[-1]["behavior_logprobs"] = rows[-1]["behavior_logprobs"][:-1] + [float("nan")]
-                return rows
-            return self.inner.generate(prompts, **kw)
+                samples = self.inner.generate_samples(prompts, **kw)
+                bad = samples[-1]
+                samples[-1] = replace(bad, logprobs=bad.logprobs[:-1] + [float("nan")])
+                return samples
+            return self.inner.generate_samples(prompts, **kw)
 
     from trainer.rollout.hf import HFGenerator
 
     store = RolloutStore.open(tmp_path / "store")
     with pytest.raises(ValueError):
-        _run(store, Broken(HFGenerator(tiny)), "hf", batch_prompts=4)
+        _run(store, Broken(HFGenerator(tiny)), "hf", policy_version=0, batch_prompts=4)
     # The first batch (4 prompts) is committed whole; nothing of the second one is.
     assert store.count() == 4 * GROUP
 
