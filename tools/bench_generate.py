@@ -11,8 +11,8 @@ store. The generator and the store are wrapped to time their calls separately:
 
 - *engine start*: building the backend (for vLLM: ``VLLMGenerator(..., enforce_eager=True)``,
   i.e. the engine and its worker process), reported apart and not in any rate;
-- *generate*: the backend's ``generate`` calls only; ``gen tok/s`` = completion tokens / that
-  time. A warm-up pass of the whole pipeline on ``--warmup`` other prompts, into the same
+- *generate*: the backend's ``generate_samples`` calls only; ``gen tok/s`` = completion tokens
+  / that time. A warm-up pass of the whole pipeline on ``--warmup`` other prompts, into the same
   store, runs first and is not counted;
 - *score+embed*: rewards, group advantages and hashing embeddings (everything else);
 - *store write*: ``RolloutStore.append`` of each batch's rows, schema validation and the Lance
@@ -41,32 +41,35 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rolloutstore import RolloutStore  # noqa: E402
 from trainer.models.tiny import make_tiny_model  # noqa: E402
-from trainer.rollout.pipeline import generate_rollouts  # noqa: E402
+from trainer.rollout.pipeline import RoundIds, generate_rollouts  # noqa: E402
+from trainer.rollout.sampling import GenerationConfig  # noqa: E402
 from trainer.tasks import get_task  # noqa: E402
 
 TASK = "arith"
 
 
 class TimedGenerator:
-    """Wraps a generator; sums the wall time and tokens of its ``generate`` calls."""
+    """Wraps a generator; sums the wall time and tokens of its ``generate_samples`` calls."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
-        self.policy_version = inner.policy_version
         self.reset()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)  # what the rows record: name, policy, tokenizer
 
     def reset(self) -> None:
         self.seconds = 0.0
         self.tokens = 0
         self.calls = 0
 
-    def generate(self, prompts: list[str], **kwargs: Any) -> list[dict[str, Any]]:
+    def generate_samples(self, prompts: list[str], **kwargs: Any) -> list[Any]:
         t0 = time.perf_counter()
-        rows = self.inner.generate(prompts, **kwargs)
+        samples = self.inner.generate_samples(prompts, **kwargs)
         self.seconds += time.perf_counter() - t0
-        self.tokens += sum(len(r["completion_ids"]) for r in rows)
+        self.tokens += sum(len(s.completion_ids) for s in samples)
         self.calls += 1
-        return rows
+        return samples
 
 
 class TimedStore:
@@ -114,29 +117,27 @@ def bench_backend(backend: str, model: Path, workdir: Path, args: argparse.Names
     t0 = time.perf_counter()
     inner = build_generator(backend, model, args.seed)
     start_s = time.perf_counter() - t0
-    sampling = dict(temperature=args.temperature, max_tokens=args.max_tokens)
+    generation = GenerationConfig(
+        backend=backend, group_size=args.group_size, temperature=args.temperature,
+        max_tokens=args.max_tokens, batch_prompts=args.batch_prompts,
+    )  # fmt: skip
     try:
         gen = TimedGenerator(inner)
         store = TimedStore(
             RolloutStore.open(workdir / f"store-{backend}", embedding_dim=args.embedding_dim)
         )
-        common = dict(
-            task=TASK,
-            group_size=args.group_size,
-            policy_version=0,
-            backend=backend,
-            batch_prompts=args.batch_prompts,
-            progress=False,
-            **sampling,
-        )
+        common = dict(generation=generation, policy_version=0, progress=False)
         if args.warmup > 0:
             # One untimed pass through the whole pipeline into the same store: first-call
             # costs (lazy imports, the store's first fragment) are not what a run pays per batch.
             warm = get_task(TASK).make_prompts(args.warmup, args.seed + 10_000)
-            generate_rollouts(store, model=gen, prompts=warm, seed=args.seed + 10_000, **common)
+            warm_ids = RoundIds(seed=args.seed + 10_000)
+            generate_rollouts(store, gen, TASK, warm, ids=warm_ids, **common)
             gen.reset()
             store.reset()
-        summary = generate_rollouts(store, model=gen, prompts=prompts, seed=args.seed, **common)
+        summary = generate_rollouts(
+            store, gen, TASK, prompts, ids=RoundIds(seed=args.seed), **common
+        )
     finally:
         if hasattr(inner, "close"):
             inner.close()

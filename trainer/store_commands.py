@@ -20,7 +20,7 @@ from typing import Any
 
 from rolloutstore.errors import RescoreError, UsageError
 from rolloutstore.retention.rescore import Scorer
-from trainer.rollout.pipeline import TINY_MODEL, generate_rollouts, resolve_backend
+from trainer.rollout.pipeline import TINY_MODEL, RoundIds, generate_rollouts
 
 ADVANTAGE_MODES = ("grpo", "drgrpo")
 
@@ -162,25 +162,13 @@ def cmd_generate(args: argparse.Namespace) -> None:
     from rolloutstore import RolloutStore
 
     task_cfg, task, gen = generate_config(args)  # every check before anything is written
+    ids = RoundIds(args.run_id, policy_id=args.policy_id, seed=args.seed)
     store = RolloutStore.open(args.store, create=True)
     model = resolve_model(args.model, args.store, task_cfg.name)
     summary = generate_rollouts(
-        store,
-        model=model,
-        task=task,
-        prompts=args.prompts,
-        policy_version=args.policy_version,
-        backend=resolve_backend(gen.backend),
-        batch_prompts=gen.batch_prompts,
-        run_id=args.run_id,
-        policy_id=args.policy_id,
-        progress=not args.quiet,
-        advantage_ddof=gen.advantage_ddof,
-        max_turns=gen.max_turns,
-        max_total_tokens=gen.max_total_tokens,
-        generation=gen,
-        **gen.sampling(seed=args.seed).kwargs(),
-    )
+        store, model, task, args.prompts, generation=gen, policy_version=args.policy_version,
+        ids=ids, progress=not args.quiet,
+    )  # fmt: skip
     print(summary.line())
 
 

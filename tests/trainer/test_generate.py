@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +20,7 @@ from rolloutstore import RolloutStore
 from rolloutstore.options import field_default
 from trainer.config import TaskConfig
 from trainer.models.tiny import make_tiny_model
-from trainer.rollout.pipeline import GenerateSummary, generate_rollouts
+from trainer.rollout.pipeline import GenerateSummary, RoundIds, generate_rollouts
 from trainer.rollout.sampling import GenerationConfig, SamplingParams
 from trainer.store_commands import (
     GENERATE_SKIPS,
@@ -95,22 +95,14 @@ def _check_store(store: RolloutStore, summary: GenerateSummary, *, policy_versio
     assert summary.store_version == store.version
 
 
-def _run(store, model, backend: str, **kw) -> GenerateSummary:
-    return generate_rollouts(
-        store,
-        model=model,
-        task="arith",
-        prompts=N_PROMPTS,
-        group_size=GROUP,
-        policy_version=kw.pop("policy_version", 2),
-        backend=backend,
-        temperature=1.0,
-        max_tokens=MAX_TOKENS,
-        seed=5,
-        run_id="r1",
-        progress=False,
-        **kw,
+def _run(store, model, backend: str, policy_version: int = 2, **kw) -> GenerateSummary:
+    generation = GenerationConfig(
+        backend=backend, group_size=GROUP, temperature=1.0, max_tokens=MAX_TOKENS, **kw
     )
+    return generate_rollouts(
+        store, model, "arith", N_PROMPTS, generation=generation, policy_version=policy_version,
+        ids=RoundIds(run_id="r1", seed=5), progress=False,
+    )  # fmt: skip
 
 
 def test_hf_pipeline_lands_in_store(tmp_path, tiny) -> None:
@@ -151,19 +143,23 @@ def test_failed_batch_leaves_earlier_batches_only(tmp_path, tiny) -> None:
         def __init__(self, inner) -> None:
             self.inner = inner
 
-        def generate(self, prompts, **kw):
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def generate_samples(self, prompts, **kw):
             Broken.calls += 1
             if Broken.calls == 2:
-                rows = self.inner.generate(prompts, **kw)
-                rows[-1]["behavior_logprobs"] = rows[-1]["behavior_logprobs"][:-1] + [float("nan")]
-                return rows
-            return self.inner.generate(prompts, **kw)
+                samples = self.inner.generate_samples(prompts, **kw)
+                bad = samples[-1]
+                samples[-1] = replace(bad, logprobs=bad.logprobs[:-1] + [float("nan")])
+                return samples
+            return self.inner.generate_samples(prompts, **kw)
 
     from trainer.rollout.hf import HFGenerator
 
     store = RolloutStore.open(tmp_path / "store")
     with pytest.raises(ValueError):
-        _run(store, Broken(HFGenerator(tiny)), "hf", batch_prompts=4)
+        _run(store, Broken(HFGenerator(tiny)), "hf", policy_version=0, batch_prompts=4)
     # The first batch (4 prompts) is committed whole; nothing of the second one is.
     assert store.count() == 4 * GROUP
 
@@ -188,12 +184,18 @@ def test_bad_arguments_fail_before_generating(tmp_path) -> None:
     store = RolloutStore.open(tmp_path / "store")
     with pytest.raises(ValueError, match="backend"):
         generate_rollouts(
-            store, model="x", task="arith", prompts=2, group_size=2, policy_version=0, backend="tf"
+            store, "x", "arith", 2, generation=GenerationConfig(backend="tf"), policy_version=0
         )
     with pytest.raises(ValueError, match="batch_prompts"):
         generate_rollouts(
-            store, model="x", task="arith", prompts=2, group_size=2, policy_version=0,
-            backend="hf", batch_prompts=0,
+            store, "x", "arith", 2, generation=GenerationConfig(batch_prompts=0), policy_version=0
+        )
+    with pytest.raises(ValueError, match="policy_version"):
+        generate_rollouts(store, "x", "arith", 2, generation=GenerationConfig(), policy_version=-1)
+    with pytest.raises(ValueError, match="run_id"):
+        generate_rollouts(
+            store, "x", "arith", 2, generation=GenerationConfig(), policy_version=0,
+            ids=RoundIds(run_id=""),
         )  # fmt: skip
     assert store.count() == 0
 

@@ -24,8 +24,8 @@ from trainer.models.load import load_model
 from trainer.models.tiny import make_tiny_model
 from trainer.rollout.hf import HFGenerator, teacher_forced_logprobs
 from trainer.rollout.multiturn import generate_for_task, generate_multiturn
-from trainer.rollout.pipeline import generate_rollouts
-from trainer.rollout.sampling import stop_position
+from trainer.rollout.pipeline import RoundIds, generate_rollouts
+from trainer.rollout.sampling import GenerationConfig, stop_position
 from trainer.run.setup import warm_start
 from trainer.tasks import get_task
 from trainer.tasks.tools import Calculator, ToolEnv, ToolTask
@@ -478,10 +478,12 @@ def test_vllm_compiled_engine_multiturn_batch_on_cpu(tool_model) -> None:
 
 def test_pipeline_appends_multiturn_rows(tmp_path, hf) -> None:
     store = RolloutStore.open(tmp_path / "store")
+    generation = GenerationConfig(
+        backend="hf", group_size=3, max_tokens=24, max_turns=3, max_total_tokens=80
+    )
     summary = generate_rollouts(
-        store, model=hf, task=tool_task(), prompts=6, group_size=3, policy_version=4,
-        backend="hf", max_tokens=24, seed=1, run_id="mt", progress=False, max_turns=3,
-        max_total_tokens=80,
+        store, hf, tool_task(), 6, generation=generation, policy_version=4,
+        ids=RoundIds(run_id="mt", seed=1), progress=False,
     )  # fmt: skip
     assert summary.rollouts == 18
     rows = store.sql(

@@ -1,8 +1,10 @@
 """Sample rollouts with Hugging Face ``transformers`` and record behaviour log-probs.
 
 :class:`HFGenerator` is the reference (CPU-friendly) generation backend: it samples
-``group_size`` completions per prompt with ``model.generate`` and returns one dict per completion
-using the store's schema-v1 field names. ``behavior_logprobs`` are log-probs of the sampled
+``group_size`` completions per prompt with ``model.generate`` and returns one
+:class:`~trainer.rollout.sampling.Sample` per completion (``generate_samples``: tokens, text,
+log-probs, finish reason; no ids), or one row dict in the store's field names (``generate``,
+outside a generation round). ``behavior_logprobs`` are log-probs of the sampled
 tokens under the *processed* distribution they were drawn from (temperature, then top-k, then
 top-p), i.e. ``log_softmax`` of the ``scores`` that ``generate(output_scores=True)`` returns --
 transformers samples from ``softmax(scores)`` and stores exactly those tensors.
@@ -20,7 +22,6 @@ Example::
 
 from __future__ import annotations
 
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -28,11 +29,13 @@ import torch
 
 from trainer.algo.logprobs import top_p_keep
 from trainer.rollout.sampling import (
+    Sample,
     Sampled,
+    SamplingParams,
     check_generate_args,
     check_processing,
     check_sample_args,
-    rollout_row,
+    standalone_rows,
     stop_position,
 )
 from trainer.tasks.chat import encode_prompt
@@ -136,7 +139,7 @@ def logprob_gaps(model: Any, rows: list[dict[str, Any]]) -> dict[str, float]:
 
 
 class HFGenerator:
-    """Batched sampling with transformers, returning store-ready rollout dicts.
+    """Batched sampling with transformers: :class:`Sample` objects, or rollout row dicts.
 
     ``max_batch_size`` bounds how many sequences go through one ``generate`` call (the scores
     of every step are kept, ``batch x steps x vocab`` floats); chunks draw from one seeded RNG
@@ -214,7 +217,7 @@ class HFGenerator:
         self.tokenizer_fingerprint = tokenizer_fingerprint(self.tokenizer)
 
     @torch.no_grad()
-    def generate(
+    def generate_samples(
         self,
         prompts: list[str],
         *,
@@ -224,8 +227,8 @@ class HFGenerator:
         top_k: int = 0,
         max_tokens: int = 64,
         seed: int = 0,
-    ) -> list[dict[str, Any]]:
-        """Sample ``group_size`` completions per prompt; one dict per completion, prompt-major."""
+    ) -> list[Sample]:
+        """Sample ``group_size`` completions per prompt; one :class:`Sample` each, prompt-major."""
         check_generate_args(
             prompts, group_size=group_size, temperature=temperature, top_p=top_p, top_k=top_k,
             max_tokens=max_tokens, seed=seed,
@@ -240,29 +243,19 @@ class HFGenerator:
 
         contexts = [prompt_ids[i] for i, _ in rows]
         sampled = self._sample_seeded(contexts, temperature, top_p, top_k, max_tokens, seed, [])
-
-        group_ids = [uuid.uuid4().hex for _ in prompts]
         out = []
         for (i, j), (completion_ids, logprobs) in zip(rows, sampled):
             finished = bool(completion_ids) and completion_ids[-1] in self.eos_token_ids
-            out.append(
-                rollout_row(
-                    self,
-                    prompt_ids=prompt_ids[i],
-                    prompt_text=prompts[i],
-                    completion_ids=completion_ids,
-                    logprobs=logprobs,
-                    finish_reason="stop" if finished else "length",
-                    temperature=temperature,
-                    top_p=top_p,
-                    top_k=top_k,
-                    max_tokens=max_tokens,
-                    seed=seed,
-                    group_id=group_ids[i],
-                    sample_index=j,
-                )  # fmt: skip
-            )
+            reason = "stop" if finished else "length"
+            text = self._decode(completion_ids)
+            out.append(Sample(i, j, prompt_ids[i], completion_ids, text, logprobs, reason))
         return out
+
+    def generate(self, prompts: list[str], **sampling: Any) -> list[dict[str, Any]]:
+        """:meth:`generate_samples` as row dicts with fresh group ids (outside a generation
+        round: :func:`trainer.rollout.sampling.standalone_rows`)."""
+        samples = self.generate_samples(prompts, **sampling)
+        return standalone_rows(self, prompts, samples, SamplingParams(**sampling))
 
     @torch.no_grad()
     def sample(

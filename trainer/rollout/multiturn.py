@@ -1,6 +1,6 @@
 """Multi-turn rollouts: the model generates until it calls a tool, the tool answers, and so on.
 
-:func:`generate_multiturn` drives either generator (``HFGenerator`` or ``VLLMGenerator``, both
+:func:`multiturn_samples` drives either generator (``HFGenerator`` or ``VLLMGenerator``, both
 have ``sample(contexts, ..., stop=...)``) through a :class:`trainer.tasks.tools.ToolEnv`:
 
 1. every trajectory starts as its prompt's token ids (``group_size`` per prompt);
@@ -16,11 +16,12 @@ have ``sample(contexts, ..., stop=...)``) through a :class:`trainer.tasks.tools.
    ``max_model_len``; a tool output that does not fit is not appended) or ``max_turns`` (a
    tool call in the last allowed turn; it is not answered).
 
-Rows are the single-turn rows (same keys, ``max_tokens`` = each turn's budget) plus the
-schema-v2 columns ``loss_mask`` (one 0/1 per completion token; 1 = sampled by the policy) and
-``turns`` (``{role: "assistant"|"tool", start, end, tool_name}``, offsets into
-``completion_ids``, contiguous, covering it). Same seed, same generator weights: same
-trajectories.
+Samples are the single-turn ones (:class:`trainer.rollout.sampling.Sample`; their rows record
+``max_tokens`` = each turn's budget) plus the schema-v2 columns ``loss_mask`` (one 0/1 per
+completion token; 1 = sampled by the policy) and ``turns`` (``{role: "assistant"|"tool", start,
+end, tool_name}``, offsets into ``completion_ids``, contiguous, covering it). Same seed, same
+generator weights: same trajectories. :func:`samples_for_task` picks single- or multi-turn by
+the task; ``generate_multiturn`` / ``generate_for_task`` give row dicts outside a round.
 
     from trainer.rollout.multiturn import generate_multiturn
     rows = generate_multiturn(gen, ["Compute 347+589. Answer:"], env=ToolEnv(["calculator"]),
@@ -30,11 +31,16 @@ trajectories.
 from __future__ import annotations
 
 import hashlib
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainer.rollout.sampling import _not_int, check_generate_args, rollout_row
+from trainer.rollout.sampling import (
+    Sample,
+    SamplingParams,
+    _not_int,
+    check_generate_args,
+    standalone_rows,
+)
 from trainer.tasks.chat import encode_prompt
 from trainer.tasks.tools import ToolEnv
 
@@ -64,7 +70,7 @@ class _Trajectory:
         self.turns.append({"role": role, "start": start, "end": len(self.ids), "tool_name": tool})
 
 
-def generate_multiturn(
+def multiturn_samples(
     gen: Any,
     prompts: list[str],
     *,
@@ -77,8 +83,9 @@ def generate_multiturn(
     seed: int = 0,
     max_turns: int = 2,
     max_total_tokens: int = 0,
-) -> list[dict[str, Any]]:
-    """``group_size`` tool-using trajectories per prompt, prompt-major; see the module doc.
+) -> list[Sample]:
+    """``group_size`` tool-using trajectories per prompt, prompt-major, as :class:`Sample`
+    objects with ``loss_mask`` and ``turns``; see the module doc.
 
     ``max_tokens`` bounds each model turn, ``max_total_tokens`` (0: no cap) the whole
     completion (model and tool tokens), ``max_turns`` the model turns.
@@ -143,7 +150,37 @@ def generate_multiturn(
     for t in trajs:
         if t.finish is None:  # unreachable: the last turn finishes every trajectory
             t.finish = "max_turns"
-    return _rows(gen, prompts, prompt_ids, trajs, temperature, top_p, top_k, max_tokens, seed)
+    return [
+        Sample(
+            t.prompt,
+            t.sample_index,
+            prompt_ids[t.prompt],
+            t.ids,
+            tok.decode(t.ids, skip_special_tokens=True),
+            t.logprobs,
+            t.finish,
+            t.mask,
+            t.turns,
+        )  # fmt: skip
+        for t in trajs
+    ]
+
+
+def generate_multiturn(
+    gen: Any,
+    prompts: list[str],
+    *,
+    env: ToolEnv,
+    max_turns: int = 2,
+    max_total_tokens: int = 0,
+    **sampling: Any,
+) -> list[dict[str, Any]]:
+    """:func:`multiturn_samples` as row dicts with fresh group ids (outside a generation round:
+    :func:`trainer.rollout.sampling.standalone_rows`)."""
+    samples = multiturn_samples(
+        gen, prompts, env=env, max_turns=max_turns, max_total_tokens=max_total_tokens, **sampling
+    )
+    return standalone_rows(gen, prompts, samples, SamplingParams(**sampling))
 
 
 def _check_args(
@@ -176,18 +213,28 @@ def _budget(t: _Trajectory, want: int, max_total: int, model_len: int | None) ->
     return budget
 
 
-def _rows(gen, prompts, prompt_ids, trajs, temperature, top_p, top_k, max_tokens, seed):
-    group_ids = [uuid.uuid4().hex for _ in prompts]
-    rows = []
-    for t in trajs:
-        row = rollout_row(
-            gen, prompt_ids=prompt_ids[t.prompt], prompt_text=prompts[t.prompt],
-            completion_ids=t.ids, logprobs=t.logprobs, finish_reason=t.finish,
-            temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, seed=seed,
-            group_id=group_ids[t.prompt], sample_index=t.sample_index,
-        )  # fmt: skip
-        rows.append({**row, "loss_mask": t.mask, "turns": t.turns})
-    return rows
+def samples_for_task(
+    gen: Any,
+    task: Any,
+    prompts: list[str],
+    *,
+    max_turns: int = 1,
+    max_total_tokens: int = 0,
+    **sampling: Any,
+) -> list[Sample]:
+    """Samples of ``prompts``: multi-turn when ``task`` has tools (a ToolTask's ``env``), else
+    ``gen.generate_samples`` as always (then ``max_turns`` must be 1)."""
+    env = getattr(task, "env", None)
+    if not isinstance(env, ToolEnv):
+        if max_turns != 1:
+            raise ValueError(
+                f"max_turns = {max_turns} needs a task with tools ([task].tools): nothing "
+                "answers the model between turns"
+            )
+        return gen.generate_samples(prompts, **sampling)
+    return multiturn_samples(
+        gen, prompts, env=env, max_turns=max_turns, max_total_tokens=max_total_tokens, **sampling
+    )
 
 
 def generate_for_task(
@@ -199,16 +246,9 @@ def generate_for_task(
     max_total_tokens: int = 0,
     **sampling: Any,
 ) -> list[dict[str, Any]]:
-    """Rows for ``prompts``: multi-turn when ``task`` has tools (a ToolTask's ``env``), else
-    ``gen.generate`` as always (then ``max_turns`` must be 1)."""
-    env = getattr(task, "env", None)
-    if not isinstance(env, ToolEnv):
-        if max_turns != 1:
-            raise ValueError(
-                f"max_turns = {max_turns} needs a task with tools ([task].tools): nothing "
-                "answers the model between turns"
-            )
-        return gen.generate(prompts, **sampling)
-    return generate_multiturn(
-        gen, prompts, env=env, max_turns=max_turns, max_total_tokens=max_total_tokens, **sampling
+    """:func:`samples_for_task` as row dicts with fresh group ids (outside a generation round:
+    :func:`trainer.rollout.sampling.standalone_rows`)."""
+    samples = samples_for_task(
+        gen, task, prompts, max_turns=max_turns, max_total_tokens=max_total_tokens, **sampling
     )
+    return standalone_rows(gen, prompts, samples, SamplingParams(**sampling))

@@ -9,12 +9,18 @@ prompts to the store as one atomic commit (a batch is either fully in the store 
 Python::
 
     from rolloutstore import RolloutStore
-    from trainer.rollout.pipeline import generate_rollouts
+    from trainer.rollout.pipeline import RoundIds, generate_rollouts
+    from trainer.rollout.sampling import GenerationConfig
 
     store = RolloutStore.open("runs/x/store")
-    summary = generate_rollouts(store, model="runs/x/tiny-model", task="arith", prompts=256,
-                                group_size=8, policy_version=0, backend="hf")
+    summary = generate_rollouts(store, "runs/x/tiny-model", "arith", 256,
+                                generation=GenerationConfig(backend="hf", group_size=8),
+                                policy_version=0, ids=RoundIds(run_id="x", seed=0))
     print(summary.rollouts, summary.mean_reward, summary.tokens_per_s)
+
+A round's rows are built here, once each: the ids first (deterministic under
+``RoundIds.id_namespace``), then the columns the generator's :class:`Sample` decides, the
+reward, the group advantage and the embedding. Generators return samples without ids.
 
 CLI (registered on ``rolloutstore`` by :mod:`trainer.store_commands`)::
 
@@ -28,8 +34,10 @@ CLI (registered on ``rolloutstore`` by :mod:`trainer.store_commands`)::
 from __future__ import annotations
 
 import json
+import os
 import time
-from collections.abc import Sequence
+import uuid
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -40,8 +48,14 @@ import numpy as np
 from rolloutstore.schema.ids import deterministic_uuid7
 from trainer.algo.advantage import group_advantages
 from trainer.rollout.embed import HashingEmbedder
-from trainer.rollout.multiturn import generate_for_task
-from trainer.rollout.sampling import SamplingParams, _not_int
+from trainer.rollout.multiturn import samples_for_task
+from trainer.rollout.sampling import (
+    GenerationConfig,
+    Sample,
+    SamplingParams,
+    _not_int,
+    sample_columns,
+)
 from trainer.tasks import Prompt, Task, get_task
 from trainer.tasks.chat import render_prompts
 
@@ -50,9 +64,17 @@ TINY_MODEL = "tiny"
 
 
 class Generator(Protocol):
-    """What :func:`generate_rollouts` needs from a backend (HFGenerator, VLLMGenerator)."""
+    """What :func:`generate_rollouts` needs from a backend (HFGenerator, VLLMGenerator): samples
+    without ids (a task with tools: also ``sample``, trainer/rollout/multiturn.py), and what
+    the rows record of the generator."""
 
-    def generate(
+    tokenizer: Any
+    generator_name: str
+    policy_version: int
+    policy_id: str | None
+    tokenizer_fingerprint: str
+
+    def generate_samples(
         self,
         prompts: list[str],
         *,
@@ -62,7 +84,55 @@ class Generator(Protocol):
         top_k: int = ...,
         max_tokens: int = ...,
         seed: int = ...,
-    ) -> list[dict[str, Any]]: ...
+    ) -> list[Sample]: ...
+
+
+@dataclass(frozen=True)
+class RoundIds:
+    """Which round :func:`generate_rollouts` runs, fixed before anything is sampled.
+
+    ``run_id``: what its rows record. ``policy_id``: what a generator built here records (a
+    generator passed in records its own). ``seed``: the prompts (a count is drawn with
+    ``task.make_prompts(n, seed)``) and the sampling (batch ``b``: ``seed + b``).
+    ``id_namespace``: deterministic rollout and group ids derived from it (``id_time_ms`` is
+    their UUIDv7 time field), so that a resumed round skips the batches already in the store
+    and regenerates exactly what is missing; without one the store gives rollout ids and
+    group ids are random.
+    """
+
+    run_id: str = "default"
+    policy_id: str | None = None
+    id_namespace: str | None = None
+    id_time_ms: int = 0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.run_id, str) or not self.run_id:
+            raise ValueError(f"run_id must be a non-empty str, got {self.run_id!r}")
+        if self.id_namespace is not None and (
+            not isinstance(self.id_namespace, str) or not self.id_namespace
+        ):
+            raise ValueError(
+                f"id_namespace must be None or a non-empty str, got {self.id_namespace!r}"
+            )
+        for name in ("id_time_ms", "seed"):
+            value = getattr(self, name)
+            if _not_int(value) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+
+    def rollout_ids(self, b: int, n: int) -> list[str] | None:
+        """Rollout ids of batch ``b``'s ``n`` rows (None without a namespace: the store's)."""
+        if self.id_namespace is None:
+            return None
+        return [
+            deterministic_uuid7(f"{self.id_namespace}/b{b}/{k}", self.id_time_ms) for k in range(n)
+        ]
+
+    def group_ids(self, b: int, groups: int) -> list[str]:
+        """Group ids of batch ``b``'s ``groups`` prompts (random without a namespace)."""
+        if self.id_namespace is None:
+            return [uuid.uuid4().hex for _ in range(groups)]
+        return [f"{self.id_namespace}/b{b}/g{g}" for g in range(groups)]
 
 
 @dataclass(frozen=True)
@@ -101,7 +171,7 @@ def make_generator(
     policy_version: int,
     policy_id: str | None = None,
     seed: int = 0,
-    generation: Any = None,
+    generation: GenerationConfig | None = None,
 ) -> Any:
     """Build the ``backend`` generator ("vllm" or "hf") for the checkpoint folder ``model``;
     ``generation`` (a GenerationConfig) sets the dtype and the vLLM engine options."""
@@ -122,110 +192,73 @@ def make_generator(
     raise ValueError(f"unknown backend {backend!r}; choose one of {list(BACKENDS)}")
 
 
-def score_rows(task: Task, prompts: Sequence[Prompt], rows: list[dict[str, Any]]) -> None:
-    """Set ``reward`` and ``reward_info`` (JSON) on prompt-major ``rows`` in place.
-
-    ``rows`` holds ``len(rows) // len(prompts)`` completions per prompt, in prompt order; each
-    row's ``prompt_text`` must be its prompt's (a mismatch means the backend reordered rows).
-    """
-    if not prompts or len(rows) % len(prompts):
-        raise ValueError(f"{len(rows)} rows do not split into groups over {len(prompts)} prompts")
-    per = len(rows) // len(prompts)
-    for k, row in enumerate(rows):
-        prompt = prompts[k // per]
-        if row.get("prompt_text") != prompt.prompt_text:
-            raise ValueError(
-                f"row {k} has prompt_text {row.get('prompt_text')!r}, expected "
-                f"{prompt.prompt_text!r}: rows must be prompt-major"
-            )
-        result = task.reward(prompt, row["completion_text"] or "")
-        row["reward"] = float(result.reward)
-        row["reward_info"] = json.dumps(result.info, sort_keys=True, default=str)
-
-
-# Long: a 30-line docstring documents every argument; the body (~50 lines) is one loop.
+# Long: the docstring documents every argument; the body is one loop over the batches.
 def generate_rollouts(
     store: Any,
-    *,
-    model: str | Path | Generator,
+    generator: str | os.PathLike | Generator,
     task: str | Task,
     prompts: int | Sequence[Prompt],
-    group_size: int,
+    *,
+    generation: GenerationConfig,
     policy_version: int,
-    backend: str = "vllm",
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    max_tokens: int = 64,
-    seed: int = 0,
-    batch_prompts: int = 64,
+    ids: RoundIds = RoundIds(),
     embedder: Any | None = None,
-    run_id: str = "default",
-    policy_id: str | None = None,
     progress: bool = True,
-    id_namespace: str | None = None,
-    id_time_ms: int = 0,
-    on_append: Any | None = None,
-    advantage_ddof: int = 0,
-    max_turns: int = 1,
-    max_total_tokens: int = 0,
-    generation: Any = None,
+    on_append: Callable[[int], None] | None = None,
 ) -> GenerateSummary:
-    """Generate ``prompts x group_size`` scored rollouts into ``store``; see the module docstring.
+    """Generate ``prompts x generation.group_size`` scored rollouts into ``store``; see the
+    module docstring.
 
-    ``id_namespace``: give rows deterministic ids (and group ids) derived from it, and
-    skip batches whose rows are already in the store, so that a resumed run
-    regenerates exactly what is missing and nothing twice. ``on_append(b)`` is called
-    after batch ``b`` is committed. ``advantage_ddof``: the group std's ddof (0: population,
-    the default; 1: sample std, verl / TRL), see :func:`trainer.algo.advantage.group_advantages`.
-
-    ``model`` is a checkpoint folder (the ``backend`` generator is built and, for vLLM, closed
-    again here) or an already-built generator, which is used as is (its ``policy_version`` must
-    equal ``policy_version``). ``task`` is a task name or :class:`Task`; ``prompts`` a count
-    (drawn with ``task.make_prompts(prompts, seed)``) or explicit :class:`Prompt` objects, as
-    the task made them: they are rendered here (``task.chat_template``, with the generator's
-    tokenizer; trainer/tasks/chat.py), and the rendered text is what the store records.
-    Batch ``b`` of ``batch_prompts`` prompts is sampled with seed ``seed + b``. ``embedder``
-    defaults to ``HashingEmbedder(dim=store.embedding_dim)``; it must map a list of token-id
-    lists to a ``(N, store.embedding_dim)`` array. A task with tools (``[task].tools``) gets
-    multi-turn rows, ``max_turns`` / ``max_total_tokens`` (trainer/rollout/multiturn.py).
-    ``generation`` (a GenerationConfig) gives a generator built here its dtype and vLLM engine
-    options (:func:`make_generator`).
+    ``generator`` is a checkpoint folder (the ``generation.backend`` generator is built, with
+    its dtype and vLLM engine options, and closed again here) or an already-built generator,
+    which is used as is (its ``policy_version`` must equal ``policy_version``). ``task`` is a
+    task name or :class:`Task`; ``prompts`` a count (drawn with ``task.make_prompts(prompts,
+    ids.seed)``) or explicit :class:`Prompt` objects, as the task made them: they are rendered
+    here (``task.chat_template``, with the generator's tokenizer; trainer/tasks/chat.py), and
+    the rendered text is what the store records. ``generation`` gives the sampling settings,
+    ``batch_prompts`` (batch ``b`` is sampled with seed ``ids.seed + b`` and appended as one
+    atomic commit), ``advantage_ddof`` (:func:`trainer.algo.advantage.group_advantages`) and,
+    for a task with tools (``[task].tools``), ``max_turns`` / ``max_total_tokens``
+    (trainer/rollout/multiturn.py). ``ids``: the round's run, policy, seed and id namespace
+    (:class:`RoundIds`). ``embedder`` defaults to ``HashingEmbedder(dim=store.embedding_dim)``;
+    it must map a list of token-id lists to a ``(N, store.embedding_dim)`` array.
+    ``on_append(b)`` is called after batch ``b`` is committed.
     """
     from tqdm.auto import tqdm
 
-    sampling = SamplingParams(group_size, temperature, top_p, top_k, max_tokens, seed)
-    _check_args(backend, batch_prompts, policy_version, run_id)
+    if not isinstance(generation, GenerationConfig):
+        raise TypeError(f"generation must be a GenerationConfig, got {type(generation).__name__}")
+    if _not_int(policy_version) or policy_version < 0:
+        raise ValueError(f"policy_version must be an int >= 0, got {policy_version!r}")
+    g, sampling = generation, generation.sampling(seed=ids.seed)
     task_obj = get_task(task) if isinstance(task, str) else task
-    prompt_objs = _resolve_prompts(task_obj, prompts, seed)
+    prompt_objs = _resolve_prompts(task_obj, prompts, ids.seed)
     if embedder is None:
         embedder = HashingEmbedder(dim=store.embedding_dim)
 
     gen, owned, prompt_objs = _open_generator(
-        model, backend, task_obj, prompt_objs, policy_version, policy_id, seed, generation
+        generator, task_obj, prompt_objs, g, policy_version, ids
     )
     try:
         bar = tqdm(
-            total=len(prompt_objs) * group_size,
+            total=len(prompt_objs) * g.group_size,
             unit="rollout",
-            desc=f"generate[{backend if owned else type(gen).__name__}]",
+            desc=f"generate[{resolve_backend(g.backend) if owned else type(gen).__name__}]",
             disable=not progress,
         )
         with bar, _Writer(store, bar, on_append) as writer:
-            for b, lo in enumerate(range(0, len(prompt_objs), batch_prompts)):
-                batch = prompt_objs[lo : lo + batch_prompts]
-                ids = _BatchIds(id_namespace, b, id_time_ms) if id_namespace is not None else None
-                if _already_stored(store, ids, len(batch) * group_size, writer, bar):
+            for b, lo in enumerate(range(0, len(prompt_objs), g.batch_prompts)):
+                batch = prompt_objs[lo : lo + g.batch_prompts]
+                rollout_ids = ids.rollout_ids(b, len(batch) * g.group_size)
+                if _already_stored(store, rollout_ids, writer, bar):
                     continue
-                rows = _sample_batch(
-                    gen, task_obj, batch, replace(sampling, seed=seed + b), max_turns,
-                    max_total_tokens,
+                batch_sampling = replace(sampling, seed=ids.seed + b)
+                samples = _sample_batch(gen, task_obj, batch, batch_sampling, g)
+                rows = _build_rows(
+                    gen, task_obj, batch, samples, batch_sampling, rollout_ids,
+                    ids.group_ids(b, len(batch)), embedder, store.embedding_dim, ids.run_id,
+                    g.advantage_ddof,
                 )  # fmt: skip
-                _finish_rows(
-                    rows, batch, task_obj, embedder, store.embedding_dim, run_id, advantage_ddof
-                )
-                if ids is not None:
-                    _set_ids(rows, ids, group_size)
                 writer.submit(b, rows)
         seconds = time.perf_counter() - writer.start
     finally:
@@ -236,28 +269,26 @@ def generate_rollouts(
 
 
 def _open_generator(
-    model: Any,
-    backend: str,
+    generator: Any,
     task: Task,
     prompts: list[Prompt],
+    generation: GenerationConfig,
     policy_version: int,
-    policy_id: str | None,
-    seed: int,
-    generation: Any = None,
+    ids: RoundIds,
 ) -> tuple[Any, bool, list[Prompt]]:
     """(generator, whether this call built it, ``prompts`` rendered for its tokenizer)."""
-    owned = not hasattr(model, "generate")
+    owned = isinstance(generator, str | os.PathLike)
     gen = (
         make_generator(
-            model,
-            backend,
+            generator,
+            resolve_backend(generation.backend),
             policy_version=policy_version,
-            policy_id=policy_id,
-            seed=seed,
+            policy_id=ids.policy_id,
+            seed=ids.seed,
             generation=generation,
         )
         if owned
-        else model
+        else generator
     )
     # The text the model sees (chat-rendered when the task's template mode says so): it is
     # what the generator tokenizes, what the store records and what the reward is given.
@@ -273,31 +304,13 @@ def _open_generator(
     return gen, owned, prompts
 
 
-def _set_ids(rows: list[dict[str, Any]], ids: _BatchIds, group_size: int) -> None:
-    """The batch's deterministic rollout and group ids (after its advantages are computed)."""
-    for k, row in enumerate(rows):
-        row["rollout_id"] = ids.rollout(k)
-        row["group_id"] = ids.group(k // group_size)
-
-
-def _check_args(backend: str, batch_prompts: int, policy_version: int, run_id: str) -> None:
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; choose one of {list(BACKENDS)}")
-    if _not_int(batch_prompts) or batch_prompts < 1:
-        raise ValueError(f"batch_prompts must be an int >= 1, got {batch_prompts!r}")
-    if _not_int(policy_version) or policy_version < 0:
-        raise ValueError(f"policy_version must be an int >= 0, got {policy_version!r}")
-    if not isinstance(run_id, str) or not run_id:
-        raise ValueError(f"run_id must be a non-empty str, got {run_id!r}")
-
-
-def _already_stored(store: Any, ids: _BatchIds | None, n: int, writer: _Writer, bar: Any) -> bool:
+def _already_stored(store: Any, rollout_ids: list[str] | None, writer: _Writer, bar: Any) -> bool:
     """True when an earlier (crashed) attempt appended this batch (batches are atomic); it
     then counts as generated (totals, round reward) as it did then."""
-    if ids is None or not store.count(filter=f"rollout_id = '{ids.rollout(0)}'"):
+    if rollout_ids is None or not store.count(filter=f"rollout_id = '{rollout_ids[0]}'"):
         return False
-    writer.count(_stored_rows(store, [ids.rollout(k) for k in range(n)]))
-    bar.update(n)
+    writer.count(_stored_rows(store, rollout_ids))
+    bar.update(len(rollout_ids))
     return True
 
 
@@ -306,21 +319,26 @@ def _sample_batch(
     task: Task,
     batch: Sequence[Prompt],
     sampling: SamplingParams,
-    max_turns: int,
-    max_total_tokens: int,
-) -> list[dict[str, Any]]:
+    generation: GenerationConfig,
+) -> list[Sample]:
     """``group_size`` sampled trajectories per prompt of ``batch``, prompt-major (one model
     turn, or several with the task's tools: trainer/rollout/multiturn.py)."""
-    rows = generate_for_task(
-        gen, task, [p.prompt_text for p in batch], max_turns=max_turns,
-        max_total_tokens=max_total_tokens, **sampling.kwargs(),
+    samples = samples_for_task(
+        gen, task, [p.prompt_text for p in batch], max_turns=generation.max_turns,
+        max_total_tokens=generation.max_total_tokens, **sampling.kwargs(),
     )  # fmt: skip
-    if len(rows) != len(batch) * sampling.group_size:
+    per = sampling.group_size
+    if len(samples) != len(batch) * per:
         raise RuntimeError(
-            f"generator returned {len(rows)} rows for {len(batch)} prompts x "
-            f"group {sampling.group_size}"
+            f"generator returned {len(samples)} samples for {len(batch)} prompts x group {per}"
         )
-    return rows
+    for k, sample in enumerate(samples):
+        if sample.prompt_index != k // per:
+            raise ValueError(
+                f"sample {k} is of prompt {sample.prompt_index}, expected {k // per}: samples "
+                "must be prompt-major"
+            )
+    return samples
 
 
 def _resolve_prompts(task: Task, prompts: int | Sequence[Prompt], seed: int) -> list[Prompt]:
@@ -332,21 +350,6 @@ def _resolve_prompts(task: Task, prompts: int | Sequence[Prompt], seed: int) -> 
     if not prompt_objs or not all(isinstance(p, Prompt) for p in prompt_objs):
         raise ValueError("prompts must be a count >= 1 or a non-empty list of Prompt")
     return prompt_objs
-
-
-@dataclass(frozen=True)
-class _BatchIds:
-    """Deterministic rollout and group ids of batch ``b`` under ``namespace``."""
-
-    namespace: str
-    b: int
-    time_ms: int
-
-    def rollout(self, k: int) -> str:
-        return deterministic_uuid7(f"{self.namespace}/b{self.b}/{k}", self.time_ms)
-
-    def group(self, g: int) -> str:
-        return f"{self.namespace}/b{self.b}/g{g}"
 
 
 class _Writer:
@@ -427,32 +430,52 @@ def _stored_rows(store: Any, ids: list[str]) -> list[dict[str, Any]]:
     return [rows[i] for i in ids]
 
 
-def _finish_rows(
-    rows: list[dict[str, Any]],
-    prompts: Sequence[Prompt],
+def _build_rows(
+    gen: Any,
     task: Task,
+    prompts: Sequence[Prompt],
+    samples: list[Sample],
+    sampling: SamplingParams,
+    rollout_ids: list[str] | None,
+    group_ids: list[str],
     embedder: Any,
     dim: int,
     run_id: str,
-    ddof: int = 0,
-) -> None:
-    """Rewards, advantages, embeddings and bookkeeping columns for one batch, in place."""
-    score_rows(task, prompts, rows)
-    adv = group_advantages([r["reward"] for r in rows], [r["group_id"] for r in rows], ddof=ddof)
-    emb = np.asarray(embedder.embed([r["completion_ids"] for r in rows]), dtype=np.float32)
-    if emb.shape != (len(rows), dim):
-        raise ValueError(f"embedder returned shape {emb.shape}, expected {(len(rows), dim)}")
-    per = len(rows) // len(prompts)
-    for k, row in enumerate(rows):
-        prompt = prompts[k // per]
-        row["advantage"] = float(adv[k])
-        row["embedding"] = emb[k].tolist()
-        row["task"] = task.name or type(task).__name__
-        row["run_id"] = run_id
-        meta = {"answer": prompt.answer, "prompt_meta": prompt.meta}
-        if getattr(task, "reward_spec", None) is not None:
-            meta["reward"] = task.reward_spec  # which reward (and revision) scored the row
-        row["metadata"] = json.dumps(meta, sort_keys=True, default=str)
+    ddof: int,
+) -> list[dict[str, Any]]:
+    """One batch's store rows, each built once: its ids (fixed before), what was sampled, the
+    reward, the group advantage, the embedding and the bookkeeping columns."""
+    rewards = [task.reward(prompts[s.prompt_index], s.completion_text or "") for s in samples]
+    groups = [group_ids[s.prompt_index] for s in samples]
+    adv = group_advantages([float(r.reward) for r in rewards], groups, ddof=ddof)
+    emb = np.asarray(embedder.embed([s.completion_ids for s in samples]), dtype=np.float32)
+    if emb.shape != (len(samples), dim):
+        raise ValueError(f"embedder returned shape {emb.shape}, expected {(len(samples), dim)}")
+    name = task.name or type(task).__name__
+    rows = []
+    for k, (sample, result) in enumerate(zip(samples, rewards)):
+        prompt = prompts[sample.prompt_index]
+        row = {} if rollout_ids is None else {"rollout_id": rollout_ids[k]}
+        row["group_id"] = groups[k]
+        row.update(sample_columns(gen, prompt.prompt_text, sample, sampling))
+        row.update(
+            reward=float(result.reward),
+            reward_info=json.dumps(result.info, sort_keys=True, default=str),
+            advantage=float(adv[k]),
+            embedding=emb[k].tolist(),
+            task=name,
+            run_id=run_id,
+            metadata=_metadata(task, prompt),
+        )
+        rows.append(row)
+    return rows
+
+
+def _metadata(task: Task, prompt: Prompt) -> str:
+    meta = {"answer": prompt.answer, "prompt_meta": prompt.meta}
+    if getattr(task, "reward_spec", None) is not None:
+        meta["reward"] = task.reward_spec  # which reward (and revision) scored the row
+    return json.dumps(meta, sort_keys=True, default=str)
 
 
 def resolve_backend(name: str) -> str:

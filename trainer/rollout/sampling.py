@@ -8,6 +8,7 @@ generate`` and the generators' ``generate(...)`` keyword arguments all go throug
 from __future__ import annotations
 
 import typing
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
@@ -265,41 +266,69 @@ class GenerationConfig:
         )
 
 
-def rollout_row(
-    gen: Any,
-    *,
-    prompt_ids: Sequence[int],
-    prompt_text: str,
-    completion_ids: list[int],
-    logprobs: list[float],
-    finish_reason: str,
-    temperature: float,
-    top_p: float,
-    top_k: int,
-    max_tokens: int,
-    seed: int,
-    group_id: str,
-    sample_index: int,
+@dataclass(frozen=True)
+class Sample:
+    """One sampled completion of a prompt, as a generator's ``generate_samples`` returns it
+    (multi-turn: :func:`trainer.rollout.multiturn.multiturn_samples`): the prompt it continues
+    (``prompt_index`` into the call's prompts, and their token ids), its place in the prompt's
+    group, the completion's tokens, text, behaviour log-probs and finish reason, and for a
+    multi-turn trajectory its ``loss_mask`` and ``turns``. No ids and no reward: a generation
+    round builds its rows with those (trainer/rollout/pipeline.py)."""
+
+    prompt_index: int
+    sample_index: int
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    completion_text: str
+    logprobs: list[float]
+    finish_reason: str
+    loss_mask: list[int] | None = None
+    turns: list[dict[str, Any]] | None = None
+
+
+def sample_columns(
+    gen: Any, prompt_text: str, sample: Sample, sampling: SamplingParams
 ) -> dict[str, Any]:
-    """One sampled rollout as a store row, with the same keys from every generator (``gen``
-    gives the tokenizer, its fingerprint, the generator name and the policy's version and id)."""
-    return {
-        "prompt_ids": list(prompt_ids),
-        "completion_ids": completion_ids,
-        "behavior_logprobs": logprobs,
+    """The store columns sampling decides for ``sample``, the same keys from every generator:
+    tokens, text, log-probs, the settings, and what ``gen`` records of itself (name, policy
+    version and id, tokenizer fingerprint); ``loss_mask`` and ``turns`` for a trajectory."""
+    row = {
+        "prompt_ids": list(sample.prompt_ids),
+        "completion_ids": sample.completion_ids,
+        "behavior_logprobs": sample.logprobs,
         "prompt_text": prompt_text,
-        "completion_text": gen.tokenizer.decode(completion_ids, skip_special_tokens=True),
-        "finish_reason": finish_reason,
-        "temperature": float(temperature),
-        "top_p": float(top_p),
-        "top_k": int(top_k),
-        "max_tokens": int(max_tokens),
-        "seed": int(seed),
+        "completion_text": sample.completion_text,
+        "finish_reason": sample.finish_reason,
+        "temperature": float(sampling.temperature),
+        "top_p": float(sampling.top_p),
+        "top_k": int(sampling.top_k),
+        "max_tokens": int(sampling.max_tokens),
+        "seed": int(sampling.seed),
         "logprobs_mode": LOGPROBS_MODE,
         "generator": gen.generator_name,
         "policy_version": gen.policy_version,
         "policy_id": gen.policy_id,
         "tokenizer_fingerprint": gen.tokenizer_fingerprint,
-        "group_id": group_id,
-        "sample_index": sample_index,
+        "sample_index": sample.sample_index,
     }
+    if sample.turns is not None:
+        row["loss_mask"] = sample.loss_mask
+        row["turns"] = sample.turns
+    return row
+
+
+def standalone_rows(
+    gen: Any, prompts: Sequence[str], samples: list[Sample], sampling: SamplingParams
+) -> list[dict[str, Any]]:
+    """``samples`` of ``prompts`` as row dicts outside a generation round (a generator's
+    ``generate``: evaluation, weight checks, scripts): :func:`sample_columns` plus a fresh
+    random ``group_id`` per prompt. A round's rows get the round's ids, rewards, advantages and
+    embeddings in one place, trainer/rollout/pipeline.py."""
+    group_ids = [uuid.uuid4().hex for _ in prompts]
+    return [
+        {
+            **sample_columns(gen, prompts[s.prompt_index], s, sampling),
+            "group_id": group_ids[s.prompt_index],
+        }
+        for s in samples
+    ]

@@ -1,11 +1,12 @@
 """Sample rollouts with vLLM and record the behaviour log-probs of the distribution sampled from.
 
-:class:`VLLMGenerator` is the fast generation backend. It returns exactly the rollout dicts of
-:class:`trainer.rollout.hf.HFGenerator` (same keys, same meaning), so either backend can feed
-the store. The engine runs with ``logprobs_mode="processed_logprobs"``: the log-prob recorded for
-each sampled token is taken after temperature, top-k and top-p, i.e. under the distribution the
-token was actually drawn from, which :func:`trainer.rollout.hf.teacher_forced_logprobs`
-recomputes (see tests/trainer/test_vllm_generate.py for the measured agreement).
+:class:`VLLMGenerator` is the fast generation backend. It returns exactly the samples (and rollout
+dicts) of :class:`trainer.rollout.hf.HFGenerator` (same fields, same meaning), so either backend
+can feed the store. The engine runs with ``logprobs_mode="processed_logprobs"``: the log-prob
+recorded for each sampled token is taken after temperature, top-k and top-p, i.e. under the
+distribution the token was actually drawn from, which
+:func:`trainer.rollout.hf.teacher_forced_logprobs` recomputes (see
+tests/trainer/test_vllm_generate.py for the measured agreement).
 
 Prompts are tokenised with the checkpoint's Hugging Face tokenizer (as HFGenerator does) and
 handed to vLLM as token ids, and completions are decoded with the same tokenizer, so
@@ -30,7 +31,6 @@ from __future__ import annotations
 
 import gc
 import time
-import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,11 +40,13 @@ import torch
 
 from trainer.rollout.sampling import (
     LOGPROBS_MODE,
+    Sample,
     Sampled,
+    SamplingParams,
     check_generate_args,
     check_processing,
     check_sample_args,
-    rollout_row,
+    standalone_rows,
     stop_position,
 )
 from trainer.rollout.vllm_engine import (
@@ -78,7 +80,7 @@ class WeightUpdate:
 
 
 class VLLMGenerator:
-    """Batched sampling with ``vllm.LLM``, returning store-ready rollout dicts.
+    """Batched sampling with ``vllm.LLM``: :class:`Sample` objects, or rollout row dicts.
 
     Engine settings (``[generation]`` in a run config, :meth:`GenerationConfig.engine_options`):
 
@@ -287,9 +289,9 @@ class VLLMGenerator:
         )
         update_weights(self._llm, state)
         t1 = time.perf_counter()
-        rows = self._generate(
-            list(verify_prompts), 2, temperature, top_p, top_k, max_tokens, seed=0
-        )
+        verify = SamplingParams(2, temperature, top_p, top_k, max_tokens, seed=0)
+        samples = self._samples(list(verify_prompts), verify)
+        rows = standalone_rows(self, list(verify_prompts), samples, verify)
         gaps = logprob_gaps(reference, rows)
         t2 = time.perf_counter()
         if not gaps[statistic] <= tolerance:
@@ -320,7 +322,7 @@ class VLLMGenerator:
         return self._reference
 
     # -- sampling ----------------------------------------------------------------------------
-    def generate(
+    def generate_samples(
         self,
         prompts: list[str],
         *,
@@ -330,23 +332,33 @@ class VLLMGenerator:
         top_k: int = 0,
         max_tokens: int = 64,
         seed: int = 0,
-    ) -> list[dict[str, Any]]:
-        """Sample ``group_size`` completions per prompt; one dict per completion, prompt-major.
+    ) -> list[Sample]:
+        """Sample ``group_size`` completions per prompt; one :class:`Sample` each, prompt-major.
 
         ``top_k=0`` disables top-k (as in HFGenerator). The same ``seed`` and arguments give the
         same tokens; prompt ``i`` is sampled with seed :func:`prompt_seed` ``(seed, i)``.
         """
+        self._check_usable()
+        sampling = check_generate_args(
+            prompts, group_size=group_size, temperature=temperature, top_p=top_p, top_k=top_k,
+            max_tokens=max_tokens, seed=seed,
+        )  # fmt: skip
+        return self._samples(prompts, sampling)
+
+    def generate(self, prompts: list[str], **sampling: Any) -> list[dict[str, Any]]:
+        """:meth:`generate_samples` as row dicts with fresh group ids (outside a generation
+        round: :func:`trainer.rollout.sampling.standalone_rows`)."""
+        samples = self.generate_samples(prompts, **sampling)
+        return standalone_rows(self, prompts, samples, SamplingParams(**sampling))
+
+    def _check_usable(self) -> None:
         if self._llm is None:
             raise RuntimeError("VLLMGenerator is closed")
         if self._refusal is not None:
             raise WeightUpdateError(self._refusal)
-        return self._generate(prompts, group_size, temperature, top_p, top_k, max_tokens, seed)
 
-    def _generate(self, prompts, group_size, temperature, top_p, top_k, max_tokens, seed):
-        check_generate_args(
-            prompts, group_size=group_size, temperature=temperature, top_p=top_p, top_k=top_k,
-            max_tokens=max_tokens, seed=seed,
-        )  # fmt: skip
+    def _samples(self, prompts: list[str], sampling: SamplingParams) -> list[Sample]:
+        group_size, max_tokens, s = sampling.group_size, sampling.max_tokens, sampling
         if not prompts:
             return []
         prompt_ids = [encode_prompt(self.tokenizer, p) for p in prompts]
@@ -359,13 +371,13 @@ class VLLMGenerator:
                     f"max_model_len {self.max_model_len}: {p[:60]!r}"
                 )
         params = request_params(
-            len(prompts), group_size, temperature, top_p, top_k, max_tokens, seed
+            len(prompts), group_size, s.temperature, s.top_p, s.top_k, max_tokens, s.seed
         )
         outputs = self._llm.generate(
             [{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False
         )
 
-        rows = []
+        samples = []
         for i, request in enumerate(outputs):
             completions = sorted(request.outputs, key=lambda c: c.index)
             if len(completions) != group_size:
@@ -373,27 +385,20 @@ class VLLMGenerator:
                     f"vLLM returned {len(completions)} completions for prompt {i}, "
                     f"expected {group_size}"
                 )
-            group_id = uuid.uuid4().hex
             for j, c in enumerate(completions):
-                completion_ids = [int(t) for t in c.token_ids]
-                rows.append(
-                    rollout_row(
-                        self,
-                        prompt_ids=prompt_ids[i],
-                        prompt_text=prompts[i],
-                        completion_ids=completion_ids,
-                        logprobs=_sampled_logprobs(c, completion_ids),
-                        finish_reason=c.finish_reason or "length",
-                        temperature=temperature,
-                        top_p=top_p,
-                        top_k=top_k,
-                        max_tokens=max_tokens,
-                        seed=seed,
-                        group_id=group_id,
-                        sample_index=j,
+                ids = [int(t) for t in c.token_ids]
+                samples.append(
+                    Sample(
+                        i,
+                        j,
+                        prompt_ids[i],
+                        ids,
+                        self._decode(ids),
+                        _sampled_logprobs(c, ids),
+                        c.finish_reason or "length",
                     )  # fmt: skip
                 )
-        return rows
+        return samples
 
     def sample(
         self,
@@ -414,10 +419,7 @@ class VLLMGenerator:
         is checked with the HF tokenizer's decode, :func:`trainer.rollout.sampling.stop_position`,
         the transformers generator's rule).
         """
-        if self._llm is None:
-            raise RuntimeError("VLLMGenerator is closed")
-        if self._refusal is not None:
-            raise WeightUpdateError(self._refusal)
+        self._check_usable()
         check_processing(temperature, top_p, top_k)
         budgets, stop = check_sample_args(contexts, max_tokens, seed, stop)
         for ids, budget in zip(contexts, budgets):

@@ -17,7 +17,6 @@ import numpy as np
 import torch
 
 from rolloutstore import RolloutStore
-from rolloutstore.schema.ids import deterministic_uuid7
 from trainer.config import (
     STORE_ENV,
     WEIGHTS_ENV,
@@ -26,7 +25,7 @@ from trainer.config import (
     storage_options_from_env,
 )
 from trainer.errors import ConfigError
-from trainer.rollout.pipeline import generate_rollouts, resolve_backend
+from trainer.rollout.pipeline import RoundIds, generate_rollouts, resolve_backend
 from trainer.rollout.policy import actor_policy
 from trainer.rollout.weights import fetch_weights, latest_weights, read_text
 from trainer.run.faults import actor_crash
@@ -137,7 +136,7 @@ def run_actor(
     cfg, meta, store_uri, weights_dir, state_dir, run_dir = _actor_source(
         source, weights_dir=weights_dir, store_uri=store_uri, state_dir=state_dir, options=options
     )
-    run_id, start_ms = meta["run_id"], meta["start_ms"]
+    run_id = meta["run_id"]
     g, r = cfg.generation, cfg.run
     task = cfg.task.build()
     store = RolloutStore.open(store_uri, storage_options=options)
@@ -158,7 +157,7 @@ def run_actor(
 
     # A round an earlier life started (its first batch is in the store) is finished even if
     # STOP is already there, so every round in the store ends up complete.
-    unfinished = _round_started(store, run_id, actor_id, rnd, start_ms)
+    unfinished = _round_started(store, _round_ids(cfg, meta, actor_id, rnd))
     print(
         f"actor {actor_id}: pid {os.getpid()}, backend {backend}, store {store_uri}, weights "
         f"{weights_dir}, starting at round {rnd}"
@@ -181,7 +180,7 @@ def run_actor(
             if gen is None or (done_at_version >= rounds_ahead and not unfinished):
                 time.sleep(POLL_SECONDS)  # no weights yet, or far enough ahead of the learner
                 continue
-            summary = _generate_round(cfg, store, task, gen, version, backend, actor_id, rnd, meta)
+            summary = _generate_round(cfg, store, task, gen, version, actor_id, rnd, meta)
             rnd += 1
             rounds += 1
             unfinished = False
@@ -192,9 +191,18 @@ def run_actor(
     return rounds
 
 
-def _round_started(store: Any, run_id: str, actor_id: int, rnd: int, start_ms: int) -> bool:
-    """Whether an earlier life of this actor appended round ``rnd``'s first batch."""
-    first = deterministic_uuid7(f"{run_id}/a{actor_id}/r{rnd}/b0/0", start_ms)
+def _round_ids(cfg: TrainConfig, meta: dict[str, Any], actor_id: int, rnd: int) -> RoundIds:
+    """Round ``rnd`` of this actor: its seed and ids are functions of (seed, actor, round)."""
+    run_id = meta["run_id"]
+    return RoundIds(
+        run_id, policy_id=run_id, id_namespace=f"{run_id}/a{actor_id}/r{rnd}",
+        id_time_ms=meta["start_ms"], seed=actor_seed(cfg.run.seed, actor_id, rnd),
+    )  # fmt: skip
+
+
+def _round_started(store: Any, ids: RoundIds) -> bool:
+    """Whether an earlier life of this actor appended the round's first batch."""
+    (first,) = ids.rollout_ids(0, 1)
     return store.count(filter=f"rollout_id = '{first}'") > 0
 
 
@@ -210,31 +218,14 @@ def _round_done(
     )
 
 
-def _generate_round(
-    cfg, store, task, gen, version: int, backend: str, actor_id: int, rnd: int, meta
-):
+def _generate_round(cfg, store, task, gen, version: int, actor_id: int, rnd: int, meta):
     """Round ``rnd`` of this actor: prompts, seeds and ids are functions of (seed, actor, round)."""
-    g, run_id = cfg.generation, meta["run_id"]
-    seed = actor_seed(cfg.run.seed, actor_id, rnd)
+    g = cfg.generation
     return generate_rollouts(
-        store,
-        model=gen,
-        task=task,
-        prompts=task.make_prompts(g.prompts_per_round, seed=seed),
-        policy_version=version,
-        backend=backend,
-        **g.sampling(seed=seed).kwargs(),
-        batch_prompts=g.batch_prompts,
-        advantage_ddof=g.advantage_ddof,
-        max_turns=g.max_turns,
-        max_total_tokens=g.max_total_tokens,
-        run_id=run_id,
-        policy_id=run_id,
-        progress=False,
-        id_namespace=f"{run_id}/a{actor_id}/r{rnd}",
-        id_time_ms=meta["start_ms"],
+        store, gen, task, g.prompts_per_round, generation=g, policy_version=version,
+        ids=_round_ids(cfg, meta, actor_id, rnd), progress=False,
         on_append=lambda b: actor_crash(actor_id, rnd, b),
-    )
+    )  # fmt: skip
 
 
 def _round_record(summary, actor_id: int, rnd: int, version: int) -> dict[str, Any]:

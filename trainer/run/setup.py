@@ -21,7 +21,7 @@ from trainer.config import TrainConfig, configured_location, storage_options_fro
 from trainer.errors import RunDirError
 from trainer.models.load import check_model_dir, load_model, resolve_device, resolve_dtype
 from trainer.models.lora import apply_lora
-from trainer.rollout.multiturn import generate_for_task
+from trainer.rollout.multiturn import samples_for_task
 from trainer.run.checkpoint import (
     latest_checkpoint,
     newest_good_checkpoint,
@@ -105,12 +105,12 @@ def evaluate(generator, task, cfg: TrainConfig) -> float:
     )  # fmt: skip
     g = cfg.generation
     sampling = g.sampling(group_size=1, seed=cfg.run.seed + 99)
-    rows = generate_for_task(
+    samples = samples_for_task(
         generator, task, [p.prompt_text for p in prompts], max_turns=g.max_turns,
         max_total_tokens=g.max_total_tokens, **sampling.kwargs(),
     )  # fmt: skip
     return float(
-        np.mean([task.reward(p, r["completion_text"]).reward for p, r in zip(prompts, rows)])
+        np.mean([task.reward(p, s.completion_text).reward for p, s in zip(prompts, samples)])
     )
 
 

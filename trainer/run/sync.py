@@ -45,7 +45,7 @@ from trainer.config import TrainConfig
 from trainer.control import ReplayController
 from trainer.errors import BufferExhaustedError, RunDirError
 from trainer.models.load import check_model
-from trainer.rollout.pipeline import generate_rollouts, resolve_backend
+from trainer.rollout.pipeline import RoundIds, generate_rollouts, resolve_backend
 from trainer.rollout.policy import LivePolicy
 from trainer.rollout.weights import publish_weights
 from trainer.run.checkpoint import save_run_checkpoint
@@ -339,26 +339,15 @@ def _generation_round(
     cfg, store, task, generator, policy_version, step, rnd, run_id, start_ms, totals, metrics
 ):
     """Round ``rnd`` (due at learner step ``step``): generate with ``generator`` and append."""
-    g, r = cfg.generation, cfg.run
+    g = cfg.generation
+    ids = RoundIds(
+        run_id, policy_id=run_id, id_namespace=f"{run_id}/r{rnd}", id_time_ms=start_ms,
+        seed=cfg.run.seed * 1_000_003 + rnd,
+    )  # fmt: skip
     summary = generate_rollouts(
-        store,
-        model=generator,
-        task=task,
-        prompts=task.make_prompts(g.prompts_per_round, seed=r.seed * 1_000_003 + rnd),
-        policy_version=policy_version,
-        backend="hf",
-        **g.sampling(seed=r.seed * 1_000_003 + rnd).kwargs(),
-        batch_prompts=g.batch_prompts,
-        advantage_ddof=g.advantage_ddof,
-        max_turns=g.max_turns,
-        max_total_tokens=g.max_total_tokens,
-        run_id=run_id,
-        policy_id=run_id,
-        progress=False,
-        id_namespace=f"{run_id}/r{rnd}",
-        id_time_ms=start_ms,
-        on_append=lambda b: crash_at(f"generate:{rnd}:{b}"),
-    )
+        store, generator, task, g.prompts_per_round, generation=g, policy_version=policy_version,
+        ids=ids, progress=False, on_append=lambda b: crash_at(f"generate:{rnd}:{b}"),
+    )  # fmt: skip
     totals["generated_tokens"] += summary.tokens
     totals["generated_rollouts"] += summary.rollouts
     totals["gen_seconds"] += summary.seconds
