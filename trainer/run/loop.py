@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
 
 def due(step: int, every: int, last: bool) -> bool:
-    """Whether an every-``every``-steps event (0: never) happens after ``step``; always at the last."""
+    """Whether an event every ``every`` steps (0: none) is due after ``step``; the last always."""
     return bool(every and step % every == 0) or last
 
 
