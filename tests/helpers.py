@@ -79,6 +79,16 @@ def trainer_cli(*args, fault: str | None = None, **kw):
     )
 
 
+def inject_fault(monkeypatch, hook) -> None:
+    """In-process fault injection: ``hook(where)`` replaces ``crash_at`` at every crash point
+    of the sync loop (``step:N`` in trainer.run.loop, ``generate:R:B`` in trainer.run.sync)."""
+    import trainer.run.loop
+    import trainer.run.sync
+
+    for module in (trainer.run.loop, trainer.run.sync):
+        monkeypatch.setattr(module, "crash_at", hook)
+
+
 def run_draws(run_dir) -> dict[int, list[str]]:
     """The rollout ids each learner step of a run drew, from its store's usage table."""
     from rolloutstore import RolloutStore

@@ -8,7 +8,7 @@ import tomllib
 
 import pytest
 import torch
-from helpers import resumable_run_toml
+from helpers import inject_fault, resumable_run_toml
 
 import trainer.run.checkpoint as C
 import trainer.run.sync as T
@@ -177,7 +177,7 @@ def killed_run(tmp_path_factory):
             raise Killed(where)
 
     mp = pytest.MonkeyPatch()
-    mp.setattr(T, "crash_at", fault)
+    inject_fault(mp, fault)
     try:
         with pytest.raises(Killed):
             T.train(_config(run), progress=False)

@@ -18,7 +18,7 @@ import tomllib
 
 import pytest
 import torch
-from helpers import ROOT, require_peft, resumable_run_toml, run_draws
+from helpers import ROOT, inject_fault, require_peft, resumable_run_toml, run_draws
 from safetensors.torch import load_file
 
 import trainer.run.sync as T
@@ -179,7 +179,7 @@ def test_resume_after_a_kill_equals_the_uninterrupted_run(tmp_path, monkeypatch,
             raise Killed(where)
 
     with monkeypatch.context() as m:
-        m.setattr(T, "crash_at", fault)
+        inject_fault(m, fault)
         with pytest.raises(Killed):
             T.train(cfg, progress=False)
     T.train(cfg, resume=True, progress=False)

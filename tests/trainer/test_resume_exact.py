@@ -14,7 +14,7 @@ import json
 import tomllib
 
 import pytest
-from helpers import resumable_run_toml, run_draws
+from helpers import inject_fault, resumable_run_toml, run_draws
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
@@ -64,7 +64,7 @@ def run_killed_then_resumed(run_dir, cfg: TrainConfig, fault: str, monkeypatch) 
             raise Killed(where)
 
     with monkeypatch.context() as m:
-        m.setattr(T, "crash_at", fault_hook)
+        inject_fault(m, fault_hook)
         with pytest.raises(Killed):
             T.train(cfg, progress=False)
     T.train(cfg, resume=True, progress=False)

@@ -67,6 +67,7 @@ from trainer.rollout.weights import publish_weights, remove_text, write_text
 from trainer.run.actor import PARENT_ENV, POLL_SECONDS
 from trainer.run.checkpoint import save_run_checkpoint
 from trainer.run.faults import ACTOR_FAULT_ENV
+from trainer.run.loop import Loop
 from trainer.run.metrics import Metrics
 from trainer.run.setup import (
     TrainResult,
@@ -161,80 +162,107 @@ def _eligible_rows(selector: Selector, learner_version: int) -> int:
 
 def async_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> TrainResult:
     """Run (or resume) the async loop described in the module docstring (learner side)."""
-    from tqdm.auto import tqdm
+    return AsyncLoop(cfg, resume=resume).run(progress=progress)
 
-    run_dir = Path(cfg.run.dir).resolve()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    meta = run_meta(run_dir, cfg, resume)
-    run_id = meta["run_id"]
-    model_dir = prepare_model(cfg, run_dir)
-    task = cfg.task.build()
-    store_uri, options = store_location(cfg, run_dir)
-    store = RolloutStore.open(store_uri, storage_options=options)
-    r = cfg.run
 
-    learner, loader, state = setup_learner(cfg, run_dir, run_id, store, task, model_dir, resume)
-    # A second selector only counts eligible rows (it records no usage, draws nothing).
-    counter = Selector(store, cfg.replay, run_id=run_id, record_usage=False)
-    step, totals, first_eval = _progress(state)
-    generated = _Generated(store, run_id)
+class AsyncLoop(Loop):
+    """The async learner of one run: ``AsyncLoop(cfg, resume=...).run()``.
 
-    weights_dir = _open_weights(cfg, run_dir, meta, options)
-    _publish(weights_dir, learner, model_dir, options)
-    (run_dir / "STOP").unlink(missing_ok=True)
-    metrics = Metrics(run_dir)
-    actors = ActorPool(run_dir, r.actors, rounds_ahead(cfg), metrics)
-    generator = _eval_generator(cfg, model_dir, learner.policy_version, run_id)
-    bar = tqdm(total=r.steps, initial=step, desc="train", unit="step", disable=not progress)
-    last_eval = first_eval
-    try:
-        actors.start_all()  # they start (seconds) and generate while the learner evaluates
-        if first_eval is None:
-            first_eval = last_eval = _evaluate(generator, learner, task, cfg)
-            metrics.log("eval", step, {"reward": first_eval})
-        it = iter(loader)
-        waiting = False
-        while step < r.steps:
-            actors.check(step, bar.write)
-            lv = learner.policy_version
-            if _eligible_rows(counter, lv) < r.min_rows:
-                if not waiting:
-                    bar.write(_waiting_line(step, r.min_rows, lv, store))
-                waiting = True
-                totals["wait_seconds"] += _sleep(POLL_SECONDS)
-                continue
-            waiting = False
-            t0 = time.perf_counter()
-            try:
-                batch = next(it)
-            except EmptyBufferError:
-                # Not expected after the count above, but a failed draw ends the
-                # iterator; restart it at the same step and wait for rows.
-                it = loader.restart(it)
-                continue
-            m = learner.step(batch)
-            totals["train_seconds"] += time.perf_counter() - t0
-            step += 1
-            if step % PUBLISH_EVERY == 0 or step == r.steps:
-                _publish(weights_dir, learner, model_dir, options)
-            m = _train_record(m, batch, lv, totals, generated.read(), step, r.batch_size)
-            metrics.log("train", step, m)
-            bar.update(1)
-            bar.set_postfix(reward=f"{m['reward']:.2f}", loss=f"{m['loss']:.3f}")
-            if (r.eval_every and step % r.eval_every == 0) or step == r.steps:
-                last_eval = _evaluate(generator, learner, task, cfg)
-                metrics.log("eval", step, {"reward": last_eval, **totals})
-                bar.write(f"step {step}: eval reward {last_eval:.3f} (start {first_eval:.3f})")
-            if step % r.checkpoint_every == 0 or step == r.steps:
-                save_run_checkpoint(run_dir, step, cfg, learner, loader, store, totals, first_eval)
-    finally:
-        bar.close()
+    Setup (run folder, model, store, learner, loader, the weights location with the first
+    published version) happens in ``__init__``; ``run`` is :meth:`trainer.run.loop.Loop.run`:
+    the actors start before the first evaluation, each step waits for eligible rows
+    (:meth:`before_step`) and publishes its weights (:meth:`after_step`), and the actors are
+    stopped at the end.
+    """
+
+    def __init__(self, cfg: TrainConfig, *, resume: bool):
+        r = cfg.run
+        self.cfg, self.main = cfg, True
+        self.run_dir = run_dir = Path(r.dir).resolve()
+        run_dir.mkdir(parents=True, exist_ok=True)
+        meta = run_meta(run_dir, cfg, resume)
+        self.run_id = meta["run_id"]
+        self.model_dir = prepare_model(cfg, run_dir)
+        self.task = cfg.task.build()
+        self.store_uri, self.options = store_location(cfg, run_dir)
+        self.store = RolloutStore.open(self.store_uri, storage_options=self.options)
+        self.learner, self.loader, state = setup_learner(
+            cfg, run_dir, self.run_id, self.store, self.task, self.model_dir, resume
+        )
+        # A second selector only counts eligible rows (it records no usage, draws nothing).
+        self.counter = Selector(self.store, cfg.replay, run_id=self.run_id, record_usage=False)
+        self.step, self.totals, self.first_eval = _progress(state)
+        self.last_eval = self.first_eval
+        self.generated = _Generated(self.store, self.run_id)
+
+        self.weights_dir = _open_weights(cfg, run_dir, meta, self.options)
+        self._publish()
+        (run_dir / "STOP").unlink(missing_ok=True)
+        self.metrics = Metrics(run_dir)
+        self.actors = ActorPool(run_dir, r.actors, rounds_ahead(cfg), self.metrics)
+        self.generator = _eval_generator(
+            cfg, self.model_dir, self.learner.policy_version, self.run_id
+        )
+
+    def start(self) -> None:
+        self.actors.start_all()  # they start (seconds) and generate while the learner evaluates
+
+    def before_step(self) -> None:
+        """The actors checked (the dead restarted), until run.min_rows rows are eligible."""
+        r, waiting = self.cfg.run, False
+        self.actors.check(self.step, self.bar.write)
+        self.version = self.learner.policy_version  # the batch is drawn for this version
+        while _eligible_rows(self.counter, self.version) < r.min_rows:
+            if not waiting:
+                self.bar.write(_waiting_line(self.step, r.min_rows, self.version, self.store))
+            waiting = True
+            self.totals["wait_seconds"] += _sleep(POLL_SECONDS)
+            self.actors.check(self.step, self.bar.write)
+
+    def draw(self) -> dict[str, Any] | None:
         try:
-            write_text(weights_dir, "STOP", "", options)  # standalone actors stop too
+            return next(self.it)
+        except EmptyBufferError:
+            # Not expected after the count in before_step, but a failed draw ends the
+            # iterator; restart it at the same step and wait for rows.
+            self.it = self.loader.restart(self.it)
+            return None
+
+    def after_step(self, m: dict[str, Any], batch: dict[str, Any]) -> dict[str, Any]:
+        """The new weights published; the step's train record: the learner's metrics, its
+        batch's, the totals so far."""
+        r = self.cfg.run
+        if self.step % PUBLISH_EVERY == 0 or self.step == r.steps:
+            self._publish()
+        m.update(_batch_metrics(batch, self.version), **self.totals, **self.generated.read())
+        # Mean uses per generated rollout so far (sync runs log the planned y * B / R).
+        m["replay_ratio"] = self.step * r.batch_size / max(1, m["generated_rollouts"])
+        return m
+
+    def evaluate(self) -> float:
+        """The eval reward of the learner's current weights, loaded into the HF generator."""
+        self.generator.model.load_state_dict(self.learner.full_weights())  # LoRA: merged
+        self.generator.policy_version = self.learner.policy_version
+        return evaluate(self.generator, self.task, self.cfg)
+
+    def checkpoint(self) -> None:
+        save_run_checkpoint(
+            self.run_dir, self.step, self.cfg, self.learner, self.loader, self.store,
+            self.totals, self.first_eval,
+        )  # fmt: skip
+
+    def close(self) -> None:
+        try:
+            write_text(self.weights_dir, "STOP", "", self.options)  # standalone actors stop too
         finally:
-            actors.stop()
-            metrics.close()
-    return TrainResult(run_dir, store_uri, step, first_eval, last_eval)
+            self.actors.stop()
+            self.metrics.close()
+
+    def _publish(self) -> None:
+        publish_weights(
+            self.weights_dir, self.learner.policy_version, self.learner.model,
+            template=self.model_dir, storage_options=self.options,
+        )  # fmt: skip
 
 
 def _progress(state: dict[str, Any] | None) -> tuple[int, dict[str, float], float | None]:
@@ -256,13 +284,6 @@ def _open_weights(cfg: TrainConfig, run_dir: Path, meta: dict[str, Any], options
     return weights_dir
 
 
-def _publish(weights_dir: str | Path, learner: Any, model_dir: Path, options) -> None:
-    publish_weights(
-        weights_dir, learner.policy_version, learner.model, template=model_dir,
-        storage_options=options,
-    )  # fmt: skip
-
-
 def _eval_generator(cfg: TrainConfig, model_dir: Path, version: int, run_id: str) -> Any:
     """The learner's eval generator, on the device and in the precision the sync loop's and
     the actors' generators use."""
@@ -276,34 +297,11 @@ def _eval_generator(cfg: TrainConfig, model_dir: Path, version: int, run_id: str
     )  # fmt: skip
 
 
-def _evaluate(generator: Any, learner: Any, task: Any, cfg: TrainConfig) -> float:
-    """The eval reward of the learner's current weights, loaded into the HF generator."""
-    generator.model.load_state_dict(learner.full_weights())  # LoRA: merged
-    generator.policy_version = learner.policy_version
-    return evaluate(generator, task, cfg)
-
-
 def _waiting_line(step: int, min_rows: int, learner_version: int, store: RolloutStore) -> str:
     return (
         f"step {step}: waiting for {min_rows} eligible rows "
         f"(learner version {learner_version}, {store.count()} rows in the store)"
     )
-
-
-def _train_record(
-    m: dict[str, Any],
-    batch: dict[str, Any],
-    learner_version: int,
-    totals: dict[str, float],
-    generated: dict[str, int],
-    step: int,
-    batch_size: int,
-) -> dict[str, Any]:
-    """A step's train record: the learner's metrics, its batch's, the totals so far."""
-    m.update(_batch_metrics(batch, learner_version), **totals, **generated)
-    # Mean uses per generated rollout so far (sync runs log the planned y * B / R).
-    m["replay_ratio"] = step * batch_size / max(1, m["generated_rollouts"])
-    return m
 
 
 def _sleep(seconds: float) -> float:

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -40,10 +39,9 @@ from typing import Any
 import numpy as np
 
 from rolloutstore import RolloutStore
-from rolloutstore.errors import EmptyBufferError
 from trainer.config import TrainConfig
 from trainer.control import ReplayController
-from trainer.errors import BufferExhaustedError, RunDirError
+from trainer.errors import RunDirError
 from trainer.models.load import check_model
 from trainer.rollout.pipeline import RoundIds, generate_rollouts, resolve_backend
 from trainer.rollout.policy import LivePolicy
@@ -52,6 +50,7 @@ from trainer.run.checkpoint import save_run_checkpoint
 from trainer.run.distributed import Dist, batch_view, trace
 from trainer.run.distributed import from_env as dist_from_env
 from trainer.run.faults import crash_at
+from trainer.run.loop import Loop
 from trainer.run.metrics import Metrics
 from trainer.run.resume import check_resume
 from trainer.run.setup import (
@@ -104,14 +103,15 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> T
         d.close()
 
 
-class SyncLoop:
+class SyncLoop(Loop):
     """The sync loop of one run on one learner rank: ``SyncLoop(cfg, dist, resume=...).run()``.
 
-    Setup (run folder, model, store, learner, loader) happens in ``__init__``; ``run`` reads
-    top to bottom: a generation round when the schedule says so, one learner step, metrics,
-    evaluation and checkpoint. :meth:`state_dict` is the loop's own state a checkpoint holds
-    (the step, generation totals, the first evaluation, and the round schedule with the
-    replay controller's state); the learner and loader checkpoint theirs.
+    Setup (run folder, model, store, learner, loader) happens in ``__init__``; ``run`` is
+    :meth:`trainer.run.loop.Loop.run`: a generation round before each step the schedule says
+    (:meth:`before_step`), the final weights published at the end. :meth:`state_dict` is the
+    loop's own state a checkpoint holds (the step, generation totals, the first evaluation,
+    and the round schedule with the replay controller's state); the learner and loader
+    checkpoint theirs.
     """
 
     def __init__(self, cfg: TrainConfig, d: Dist, *, resume: bool):
@@ -165,7 +165,6 @@ class SyncLoop:
             )  # fmt: skip
             self.metrics = Metrics(run_dir)
         self.last_eval = self.first_eval
-        self.it = None
 
     # -- state -------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -199,48 +198,16 @@ class SyncLoop:
             if self.controller is not None and sched.get("control") is not None:
                 self.controller.load_state_dict(sched["control"])
 
-    # -- the loop ----------------------------------------------------------------------------
-    def run(self, *, progress: bool = True) -> TrainResult:
-        from tqdm.auto import tqdm
-
-        r = self.cfg.run
-        if self.first_eval is None:
-            self._evaluate(first=True)
-        self.it = iter(self.loader)
-        bar = tqdm(
-            total=r.steps, initial=self.step, desc="train", unit="step",
-            disable=not (progress and self.main),
-        )  # fmt: skip
-        try:
-            while not self._done():
-                if self.step == self.next_round:
-                    self._round()
-                m = self._learn()
-                crash_at(f"step:{self.step}")
-                bar.update(1)
-                bar.set_postfix(reward=f"{m['reward']:.2f}", loss=f"{m['loss']:.3f}")
-                if (r.eval_every and self.step % r.eval_every == 0) or self._done():
-                    self._evaluate(first=False, write=bar.write)
-                if self.step % r.checkpoint_every == 0 or self._done():
-                    self._checkpoint()
-            weights = self.learner.full_weights()  # sharded: a gather, on every rank
-            if self.main:
-                publish_weights(
-                    self.run_dir / "weights", self.learner.policy_version, weights,
-                    template=self.model_dir,
-                )  # fmt: skip
-        finally:
-            bar.close()
-            if self.main:
-                self.metrics.close()
-                self.policy.close()
-        return TrainResult(self.run_dir, self.store_uri, self.step, self.first_eval, self.last_eval)
-
-    def _done(self) -> bool:
+    # -- the loop's own steps (trainer.run.loop.Loop.run reads top to bottom) ---------------
+    def done(self) -> bool:
         r = self.cfg.run
         budget = r.max_generated_tokens
         spent = budget and self.totals["generated_tokens"] >= budget
         return self.step >= r.steps or bool(spent and self.step == self.next_round)
+
+    def before_step(self) -> None:
+        if self.step == self.next_round:
+            self._round()
 
     def _sync_generator(self) -> None:
         # Every rank calls this: a sharded learner gathers its weights collectively.
@@ -278,17 +245,9 @@ class SyncLoop:
             self.it = self.loader.restart(self.it)
         self.next_round, self.rnd = self.step + y, self.rnd + 1
 
-    def _learn(self) -> dict[str, Any]:
-        """One learner step on the next batch; its train record (logged on rank 0)."""
+    def after_step(self, m: dict[str, Any], batch: dict[str, Any]) -> dict[str, Any]:
+        """The step's train record: the global batch's, the totals, the controller's knobs."""
         g, r, ctl = self.cfg.generation, self.cfg.run, self.controller
-        t0 = time.perf_counter()
-        try:
-            batch = next(self.it)
-        except EmptyBufferError as exc:
-            raise BufferExhaustedError(self.step + 1, self.run_dir, exc) from exc
-        m = self.learner.step(batch)
-        self.totals["train_seconds"] += time.perf_counter() - t0
-        self.step += 1
         trace(self.d, self.step, batch, self.learner)
         view = batch_view(self.d, batch)  # the global batch's rewards, staleness, run ids
         y = ctl.updates if ctl else r.updates_per_round
@@ -305,25 +264,14 @@ class SyncLoop:
         if ctl is not None:
             ctl.observe_step(m)
             m.update(updates_per_round=ctl.updates, fresh_fraction=ctl.fresh)
-        if self.main:
-            self.metrics.log("train", self.step, m)
         return m
 
-    def _evaluate(self, *, first: bool, write=print) -> None:
+    def evaluate(self) -> float | None:
         if self.cfg.task.eval_prompts:
             self._sync_generator()
-        if not self.main:
-            return
-        reward = evaluate(self.generator, self.task, self.cfg)
-        if first:
-            self.first_eval = self.last_eval = reward
-            self.metrics.log("eval", self.step, {"reward": reward, "generated_tokens": 0})
-        else:
-            self.last_eval = reward
-            self.metrics.log("eval", self.step, {"reward": reward, **self.totals})
-            write(f"step {self.step}: eval reward {reward:.3f} (start {self.first_eval:.3f})")
+        return evaluate(self.generator, self.task, self.cfg) if self.main else None
 
-    def _checkpoint(self) -> None:
+    def checkpoint(self) -> None:
         learner, d = self.learner, self.d
         if not learner.sharded:  # sharded: one copy of the weights, no replicas
             d.check_replicas(learner.model)  # also the barrier before rank 0 saves
@@ -333,6 +281,19 @@ class SyncLoop:
                 self.run_dir, self.step, self.cfg, learner, self.loader, self.store,
                 self.totals, self.first_eval, self.state_dict()["schedule"], learner_state,
             )  # fmt: skip
+
+    def finish(self) -> None:
+        weights = self.learner.full_weights()  # sharded: a gather, on every rank
+        if self.main:
+            publish_weights(
+                self.run_dir / "weights", self.learner.policy_version, weights,
+                template=self.model_dir,
+            )  # fmt: skip
+
+    def close(self) -> None:
+        if self.main:
+            self.metrics.close()
+            self.policy.close()
 
 
 def _generation_round(
