@@ -48,7 +48,7 @@ APPLIED = frozenset(
     {
         *(f"optim.{k}" for k in ("lr", "weight_decay", "betas", "eps", "grad_clip")),
         *(f"optim.{k}" for k in ("warmup_steps", "lr_schedule", "total_steps", "min_lr_ratio")),
-        *(f"optim.{k}" for k in ("micro_batch_tokens", "grad_checkpointing")),
+        "optim.micro_batch_tokens",
         "optim.ppo_epochs",
         "optim.mini_batches",
         *(f"model.{k}" for k in ("device", "attn_implementation", "gradient_checkpointing")),
