@@ -42,7 +42,7 @@ from trainer.algo.advantage import group_advantages
 from trainer.rollout.embed import HashingEmbedder
 from trainer.rollout.multiturn import generate_for_task
 from trainer.rollout.sampling import SamplingParams, _not_int
-from trainer.tasks import Prompt, Task, get_task
+from trainer.tasks import Prompt, Task, get_task, score_completion
 from trainer.tasks.chat import render_prompts
 
 BACKENDS = ("vllm", "hf")
@@ -138,7 +138,7 @@ def score_rows(task: Task, prompts: Sequence[Prompt], rows: list[dict[str, Any]]
                 f"row {k} has prompt_text {row.get('prompt_text')!r}, expected "
                 f"{prompt.prompt_text!r}: rows must be prompt-major"
             )
-        result = task.reward(prompt, row["completion_text"] or "")
+        result = score_completion(task, prompt, row["completion_text"] or "")
         row["reward"] = float(result.reward)
         row["reward_info"] = json.dumps(result.info, sort_keys=True, default=str)
 

@@ -30,6 +30,7 @@ from trainer.run.checkpoint import (
 )
 from trainer.run.distributed import Dist, shard_learner, wrap_learner
 from trainer.run.resume import note_resume
+from trainer.tasks import score_completion
 from trainer.tasks.chat import render_prompts
 
 
@@ -110,7 +111,9 @@ def evaluate(generator, task, cfg: TrainConfig) -> float:
         max_total_tokens=g.max_total_tokens, **sampling.kwargs(),
     )  # fmt: skip
     return float(
-        np.mean([task.reward(p, r["completion_text"]).reward for p, r in zip(prompts, rows)])
+        np.mean(
+            [score_completion(task, p, r["completion_text"]).reward for p, r in zip(prompts, rows)]
+        )
     )
 
 
