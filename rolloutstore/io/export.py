@@ -23,7 +23,11 @@ Shapes (``as_``):
 ``sft`` and ``dpo`` use TRL's dataset column names (``prompt``/``completion``,
 ``prompt``/``chosen``/``rejected``); when every row is conversational (metadata holds
 the prompt's ``messages``, as ``ingest --from trl|openai`` writes) those columns are lists
-of ``{"role", "content"}`` turns and ``sft`` adds ``messages`` (prompt turns + completion).
+of ``{"role", "content"}`` turns and ``sft`` adds ``messages`` (prompt turns + completion),
+read by the rule of ``messages`` (:func:`rolloutstore.io.shapes.chat_messages`). A row whose
+text an output column needs is null (no prompt turns and no ``prompt_text``, no completion
+turns and no ``completion_text``) is refused with :class:`ExportError` naming the rollout, as
+``messages`` refuses it; nothing is written (not even the folder made for ``out``).
 
 ``sft``
     per ``prompt_id``, the completions with the highest reward (ties all kept);
@@ -76,7 +80,6 @@ from rolloutstore.io.shapes import (
     SFT_COLUMNS,
     ExportShape,
     ShapedQuery,
-    chat_batch,
     shape_query,
 )
 from rolloutstore.query.limits import limits
@@ -281,8 +284,14 @@ def export(
         shaped = messages_query(store, columns, where, params, tokenizer)
     else:
         shaped = shape_query(store, as_, columns, where, params, min_reward, min_margin, timeout)
-    parent = _prepare_target(path, format)
-    return ExportResult(_write(store, shaped, path, format, parent, progress, timeout), path)
+    parent, created = _prepare_target(path, format)
+    try:
+        return ExportResult(_write(store, shaped, path, format, parent, progress, timeout), path)
+    except BaseException:  # a refused row or a failed query leaves no folder it made behind
+        for folder in created:
+            with contextlib.suppress(OSError):
+                os.rmdir(folder)
+        raise
 
 
 def _resolve_format(path: str, format: ExportFormat | None) -> ExportFormat:
@@ -320,19 +329,24 @@ def _check_shape_options(
     return min_reward, min_margin
 
 
-def _prepare_target(path: str, format: ExportFormat) -> str:
+def _prepare_target(path: str, format: ExportFormat) -> tuple[str, list[str]]:
     """Refuse a non-empty ``hf`` folder, create the parent folder and clear killed exports'
-    temps there; returns the parent folder."""
+    temps there; returns the parent folder and the folders created for it, deepest first."""
     if format == "hf" and os.path.isdir(path) and os.listdir(path):
         raise ExportError(
             f"{path} exists and is not empty; expected a new folder for --format hf "
             "(remove it or choose another OUT)"
         )
     parent = os.path.dirname(os.path.abspath(path))
+    created = []
+    folder = parent
+    while not os.path.exists(folder) and folder != os.path.dirname(folder):
+        created.append(folder)
+        folder = os.path.dirname(folder)
     os.makedirs(parent, exist_ok=True)
 
     _remove_stale_temps(parent, Path(path).name)
-    return parent
+    return parent, created
 
 
 def _write(
@@ -366,9 +380,7 @@ def _write(
                 for b in reader:
                     if b.num_rows == 0:
                         continue
-                    if plan.chat:
-                        b = chat_batch(b, schema, plan.shape)
-                    elif plan.transform is not None:
+                    if plan.transform is not None:
                         b = plan.transform(b)
                     b = pa.Table.from_batches([b]).rename_columns(schema.names).cast(schema)
                     for part in b.to_batches():
