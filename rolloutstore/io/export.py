@@ -27,7 +27,9 @@ of ``{"role", "content"}`` turns and ``sft`` adds ``messages`` (prompt turns + c
 read by the rule of ``messages`` (:func:`rolloutstore.io.shapes.chat_messages`). A row whose
 text an output column needs is null (no prompt turns and no ``prompt_text``, no completion
 turns and no ``completion_text``) is refused with :class:`ExportError` naming the rollout, as
-``messages`` refuses it; nothing is written (not even the folder made for ``out``).
+``messages`` refuses it; nothing is written (not even the folder made for ``out``). Rows with
+no text at all (token ids only, e.g. proxy rollouts) export without the text columns unless
+``columns`` names them.
 
 ``sft``
     per ``prompt_id``, the completions with the highest reward (ties all kept);

@@ -185,17 +185,20 @@ def build_query(
     return body + " ORDER BY p.group_id", f"SELECT count(*) FROM ({body})"
 
 
-def all_chat(store: RolloutLog, where: str | None, params, timeout: float | None) -> bool:
-    """Whether every (filtered) row is conversational: its metadata holds prompt turns."""
+def row_kinds(store: RolloutLog, where: str | None, params, timeout) -> tuple[bool, bool]:
+    """(chat, token_only) of the (filtered) rows: every row is conversational (its metadata
+    holds prompt turns), or no row has a prompt_text or completion_text (e.g. proxy rows)."""
     filt = f"WHERE ({where})" if where is not None else ""
-    n, chat = _first_row(
+    n, chat, text = _first_row(
         store,
-        "SELECT count(*), count(*) FILTER "
-        f"(WHERE json_type(metadata, '$.messages') = 'ARRAY') FROM rollouts {filt}",
+        "SELECT count(*), "
+        "count(*) FILTER (WHERE json_type(metadata, '$.messages') = 'ARRAY'), "
+        "count(*) FILTER (WHERE prompt_text IS NOT NULL OR completion_text IS NOT NULL) "
+        f"FROM rollouts {filt}",
         params,
         timeout,
     )
-    return n > 0 and n == chat
+    return n > 0 and n == chat, n > 0 and text == 0
 
 
 def _first_row(store: RolloutLog, sql: str, params, timeout: float | None) -> tuple:
@@ -242,7 +245,7 @@ def _null_text(shape: str, rid: str, field: str) -> ExportError:
     return ExportError(
         f"rollout {rid}: {field} is null; --as {shape} writes the text of every row it picks "
         f"(--as messages refuses such rows too): leave them out with --where '{field} IS NOT "
-        "NULL', or export the token ids with --as rollouts"
+        "NULL', or export only token ids (--columns without the text columns, or --as rollouts)"
     )
 
 
@@ -355,13 +358,17 @@ def shape_query(
         "dpo": list(DPO_COLUMNS),
     }
     cols = check_columns(columns, allowed[as_], as_)
-    chat = as_ != "rollouts" and all_chat(store, where, params, timeout)
+    chat, token_only = (False, False)
+    if as_ != "rollouts":
+        chat, token_only = row_kinds(store, where, params, timeout)
     if as_ in ("sft", "dpo"):
         refuse_trajectories(store, as_, chat, where, params, timeout)
     if as_ == "sft" and columns is None:  # messages only for conversational rows
         cols.remove("messages")
         if chat:
             cols.insert(2, "messages")
+    if columns is None and token_only and not chat:  # text columns only for rows with text
+        cols = [c for c in cols if c not in TEXT_SOURCES]
     if "messages" in cols and not chat:
         raise ExportError(
             "--columns messages needs conversational rows (metadata with the prompt's "

@@ -7,7 +7,8 @@ The property test stores a group of two rows (rewards 1 and 0) with hypothesis-d
 ``messages`` / ``completion_messages`` shapes and nullable texts and exports it three ways.
 Chat rows (the prompt's ``messages`` a list): ``dpo`` writes both rows, so it succeeds exactly
 when ``messages`` does, with the same turns; ``sft`` writes the better row, so it succeeds
-exactly when that row's conversation does. Text rows: both write the texts, or refuse a null.
+exactly when that row's conversation does. Text rows: both write the texts, or refuse a null
+(rows with no text at all: their token ids, without text columns).
 """
 
 from __future__ import annotations
@@ -105,6 +106,9 @@ def test_sft_and_dpo_read_any_message_shape_as_messages_does(
         if not isinstance(prompt_messages, list) and prompt_messages != "DEEP":
             # Text rows (no prompt turns): sft / dpo write prompt_text and completion_text.
             texts = [prompt_text, *completions]
+            if texts == [None] * 3:  # token ids only: written without the text columns
+                assert "prompt" not in sft[0] and "chosen" not in dpo[0], (sft, dpo)
+                return
             if _refused(dpo, None in texts):
                 assert [(r["prompt"], r["chosen"], r["rejected"]) for r in dpo] == [tuple(texts)]
             if _refused(sft, None in texts[:2]):
@@ -200,3 +204,18 @@ def test_dpo_names_the_rejected_rollout_and_chat_rows_need_no_prompt_text(tmp_pa
     (row,) = [json.loads(line) for line in (tmp_path / "s.jsonl").open()]
     assert row["messages"] == [{"role": "user", "content": "q"},
                                {"role": "assistant", "content": "good"}]  # fmt: skip
+
+
+def test_rows_without_any_text_export_their_token_ids_only(tmp_path):
+    store = RolloutStore.open(tmp_path / "s")
+    store.append([_row("a", 1.0, None, None, "{}"), _row("b", 0.0, None, None, "{}")])
+    sft, dpo = tmp_path / "sft.jsonl", tmp_path / "dpo.jsonl"
+    assert store.export(sft, as_="sft", progress=False).rows == 1
+    assert store.export(dpo, as_="dpo", progress=False).rows == 1
+    (row,) = [json.loads(line) for line in sft.open()]
+    assert row == {"prompt_ids": [1], "completion_ids": [2], "reward": 1.0, "prompt_id": "p",
+                   "rollout_id": "a"}  # fmt: skip
+    (row,) = [json.loads(line) for line in dpo.open()]
+    assert "prompt" not in row and (row["chosen_ids"], row["rejected_ids"]) == ([2], [2])
+    with pytest.raises(ExportError, match="rollout a: prompt_text is null"):
+        store.export(sft, as_="sft", columns=["prompt", "prompt_ids"], progress=False)
