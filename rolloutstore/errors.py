@@ -150,3 +150,7 @@ class RescoreError(RolloutStoreError, ValueError):
 
 class ShortBatchWarning(UserWarning):
     """A drawn batch holds fewer rows than asked (``per_prompt_cap``, a small buffer)."""
+
+
+class ResumeStateError(RolloutStoreError, ValueError):
+    """A checkpoint's rolloutstore state is damaged, or belongs to another run or store."""

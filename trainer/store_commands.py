@@ -120,7 +120,9 @@ def _advantages(fn, mode: str, rewards, group_ids):
 
 
 def _task_score(task, row: dict[str, Any]):
-    return task.reward(_prompt(row), row["completion_text"] or "")
+    from trainer.tasks import score_completion
+
+    return score_completion(task, _prompt(row), row["completion_text"] or "")
 
 
 def _prompt(row: dict[str, Any]):

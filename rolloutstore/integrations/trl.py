@@ -17,7 +17,9 @@ temperature-scaled log-softmax TRL uses). ``top_p``/``top_k`` are not applied, a
 
 Resume: ``trainer.train(resume_from_checkpoint=...)`` restores the selector's step from
 ``rolloutstore_state.json`` in the checkpoint; rows this run appended after that checkpoint
-(a killed continuation the resumed run retakes) are left out of selection.
+(a killed continuation the resumed run retakes) are left out of selection. A damaged state
+file, another ``run_id``, another store (its URI) or a store older than the checkpoint (at a
+lower version) is refused with :class:`~rolloutstore.errors.ResumeStateError`.
 
     from rolloutstore import ReplayConfig, RolloutStore
     from rolloutstore.integrations.trl import ReplayGRPOTrainer
@@ -34,7 +36,8 @@ runs of 0s: tool turns), behaviour log-probs 0 on the tool tokens; replayed rows
 back to TRL as ``tool_mask``, so a replayed trajectory trains on its model tokens only.
 
 Supported: one process, transformers generation (``use_vllm=False``), ``beta=0``, text
-prompts (plain or conversational), no images; anything else raises ``UsageError``.
+prompts (plain or conversational), no images; anything else raises ``UsageError`` (before the
+store is opened, so a refused trainer creates no store).
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ import os
 from datetime import UTC, datetime
 from typing import Any
 
-from rolloutstore.errors import MissingDependencyError, UsageError
+from rolloutstore.errors import MissingDependencyError, ResumeStateError, UsageError
 
 try:
     import torch
@@ -66,7 +69,7 @@ from rolloutstore.replay import ReplayConfig, Selection, Selector
 from rolloutstore.schema.ids import uuid7_strings
 from rolloutstore.schema.turns import turns_from_mask
 
-__all__ = ["LOGPROBS_MODE", "STATE_FILE", "ReplayGRPOTrainer"]
+__all__ = ["LOGPROBS_MODE", "STATE_FILE", "ReplayGRPOTrainer", "read_state"]
 
 STATE_FILE = "rolloutstore_state.json"
 # The trainer model's log_softmax(logits / temperature) at the sampled token (TRL's
@@ -93,16 +96,16 @@ class ReplayGRPOTrainer(GRPOTrainer):
         **kwargs: Any,
     ):
         super().__init__(*args, **kwargs)
-        self.store = store if isinstance(store, RolloutStore) else RolloutStore.open(store)
         self.replay_config = replay or ReplayConfig(
             window=4096, max_staleness=4, fresh_fraction=0.5
         )
         self.run_id = run_id
+        self._check_supported()  # before the store is opened: a refusal creates none
+        self.store = store if isinstance(store, RolloutStore) else RolloutStore.open(store)
         self.selector = Selector(self.store, self.replay_config, run_id=run_id)
         self.last_selection: Selection | None = None
         self._orphans: list[tuple[str, str]] = []  # (saved_at, resumed_at) ISO times
         self._captured: dict[str, Any] = {}
-        self._check_supported()
 
     # -- configuration -----------------------------------------------------------------
     def _check_supported(self) -> None:
@@ -316,13 +319,8 @@ class ReplayGRPOTrainer(GRPOTrainer):
         path = os.path.join(checkpoint, STATE_FILE) if checkpoint is not None else None
         if path is None or not os.path.exists(path):
             return
-        with open(path) as f:
-            state = json.load(f)
-        if state["run_id"] != self.run_id:
-            raise UsageError(
-                f"checkpoint {checkpoint!r} belongs to run_id {state['run_id']!r}, this trainer "
-                f"has run_id {self.run_id!r}; pass run_id={state['run_id']!r} to resume it"
-            )
+        state = read_state(path)
+        self._check_resume(state, path)
         # Rows this run appended after the checkpoint belong to a continuation that is being
         # retaken: keep them out of selection (they stay in the store).
         orphans = [*state.get("orphans", []), (state["saved_at"], datetime.now(UTC).isoformat())]
@@ -336,6 +334,77 @@ class ReplayGRPOTrainer(GRPOTrainer):
         )
         self.selector = Selector(self.store, self.replay_config, run_id=self.run_id)
         self.selector.load_state_dict(state["selector"])
+
+    def _check_resume(self, state: dict[str, Any], path: str) -> None:
+        """Refuse a checkpoint of another run, or one saved against another store: the
+        selector's draws continue only over the store the checkpoint trained from."""
+        if state["run_id"] != self.run_id:
+            raise ResumeStateError(
+                f"{path} belongs to run_id {state['run_id']!r}, this trainer has run_id "
+                f"{self.run_id!r}; pass run_id={state['run_id']!r} to resume it"
+            )
+        saved, here = state["store_uri"], self.store.uri
+        if _same_store(saved, here) and self.store.version >= state["store_version"]:
+            return
+        why = (
+            f"was saved training from the store {saved!r}, this trainer has {here!r}"
+            if not _same_store(saved, here)
+            else f"was saved at store version {state['store_version']}, the store {here!r} is "
+            f"at version {self.store.version} (an older or a new store in its place)"
+        )
+        raise ResumeStateError(
+            f"{path} {why}; an exact resume draws from the rows the checkpoint trained on: "
+            f"pass store={saved!r} as it was at the checkpoint, or start a new run (another "
+            "output_dir) without resume_from_checkpoint"
+        )
+
+
+def read_state(path: str | os.PathLike) -> dict[str, Any]:
+    """A checkpoint's ``rolloutstore_state.json``, checked; :class:`ResumeStateError` names
+    the file and what is wrong when it is damaged (not JSON, keys missing or of the wrong type)."""
+    try:
+        with open(path) as f:
+            state = json.load(f)
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise _damaged(path, f"it does not read as JSON ({type(exc).__name__}: {exc})") from None
+    if not isinstance(state, dict):
+        raise _damaged(path, f"expected a JSON object, found {type(state).__name__}")
+    want = {"selector": dict, "run_id": str, "saved_at": str, "store_uri": str,
+            "store_version": int}  # fmt: skip
+    for key, kind in want.items():
+        value = state.get(key)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            found = "nothing" if key not in state else f"{type(value).__name__} {value!r:.60}"
+            raise _damaged(path, f"expected {key!r} a {kind.__name__}, found {found}")
+    step = state["selector"].get("step")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise _damaged(path, f"expected selector.step a step number, found {step!r:.60}")
+    orphans = state.get("orphans", [])
+    times = [state["saved_at"]]
+    if not isinstance(orphans, list) or not all(
+        isinstance(o, list) and len(o) == 2 and all(isinstance(t, str) for t in o) for o in orphans
+    ):
+        raise _damaged(path, "expected 'orphans' a list of [saved_at, resumed_at] pairs")
+    times += [t for o in orphans for t in o]
+    for t in times:
+        try:
+            _ts(t)
+        except ValueError:
+            raise _damaged(path, f"expected ISO-8601 times, found {t!r:.60}") from None
+    return state
+
+
+def _damaged(path: str | os.PathLike, what: str) -> ResumeStateError:
+    return ResumeStateError(
+        f"{os.fspath(path)} is damaged: {what}; resume from another checkpoint, or start a new "
+        "run without resume_from_checkpoint"
+    )
+
+
+def _same_store(a: str, b: str) -> bool:
+    if "://" in a or "://" in b:
+        return a.rstrip("/") == b.rstrip("/")
+    return os.path.realpath(a) == os.path.realpath(b)
 
 
 def _num(x: torch.Tensor) -> float | None:

@@ -23,7 +23,13 @@ Shapes (``as_``):
 ``sft`` and ``dpo`` use TRL's dataset column names (``prompt``/``completion``,
 ``prompt``/``chosen``/``rejected``); when every row is conversational (metadata holds
 the prompt's ``messages``, as ``ingest --from trl|openai`` writes) those columns are lists
-of ``{"role", "content"}`` turns and ``sft`` adds ``messages`` (prompt turns + completion).
+of ``{"role", "content"}`` turns and ``sft`` adds ``messages`` (prompt turns + completion),
+read by the rule of ``messages`` (:func:`rolloutstore.io.shapes.chat_messages`). A row whose
+text an output column needs is null (no prompt turns and no ``prompt_text``, no completion
+turns and no ``completion_text``) is refused with :class:`ExportError` naming the rollout, as
+``messages`` refuses it; nothing is written (not even the folder made for ``out``). Rows with
+no text at all (token ids only, e.g. proxy rollouts) export without the text columns unless
+``columns`` names them.
 
 ``sft``
     per ``prompt_id``, the completions with the highest reward (ties all kept);
@@ -55,6 +61,7 @@ schema and queries live in :mod:`rolloutstore.export_shapes`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -83,7 +90,6 @@ from rolloutstore.io.shapes import (
     SFT_COLUMNS,
     ExportShape,
     ShapedQuery,
-    chat_batch,
     shape_query,
 )
 from rolloutstore.query.limits import limits
@@ -243,8 +249,14 @@ def export(
         shaped = messages_query(store, columns, where, params, tokenizer)
     else:
         shaped = shape_query(store, as_, columns, where, params, min_reward, min_margin, timeout)
-    _prepare_target(target, format)
-    return ExportResult(_write(store, shaped, target, format, progress, timeout), path)
+    created = _prepare_target(target, format)
+    try:
+        return ExportResult(_write(store, shaped, target, format, progress, timeout), path)
+    except BaseException:  # a refused row or a failed query leaves no folder it made behind
+        for folder in created:
+            with contextlib.suppress(OSError):
+                os.rmdir(folder)
+        raise
 
 
 def _resolve_format(path: str, format: ExportFormat | None) -> ExportFormat:
@@ -282,18 +294,26 @@ def _check_shape_options(
     return min_reward, min_margin
 
 
-def _prepare_target(target: OutputTarget, format: ExportFormat) -> None:
+def _prepare_target(target: OutputTarget, format: ExportFormat) -> list[str]:
     """Refuse a non-empty ``hf`` folder, create the parent folder and clear killed exports'
-    temps there (nothing for a device or FIFO written in place)."""
+    temps there (nothing for a device or FIFO written in place); returns the folders created
+    for it, deepest first."""
     path = target.path
     if format == "hf" and os.path.isdir(path) and os.listdir(path):
         raise ExportError(
             f"{target.given} exists and is not empty; expected a new folder for --format hf "
             "(remove it or choose another OUT)"
         )
-    if not target.in_place:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        remove_stale_temps(path)
+    if target.in_place:
+        return []
+    parent = os.path.dirname(os.path.abspath(path))
+    created, folder = [], parent
+    while not os.path.exists(folder) and folder != os.path.dirname(folder):
+        created.append(folder)
+        folder = os.path.dirname(folder)
+    os.makedirs(parent, exist_ok=True)
+    remove_stale_temps(path)
+    return created
 
 
 def _write(
@@ -325,9 +345,7 @@ def _write(
                 for b in reader:
                     if b.num_rows == 0:
                         continue
-                    if plan.chat:
-                        b = chat_batch(b, schema, plan.shape)
-                    elif plan.transform is not None:
+                    if plan.transform is not None:
                         b = plan.transform(b)
                     b = pa.Table.from_batches([b]).rename_columns(schema.names).cast(schema)
                     for part in b.to_batches():

@@ -142,6 +142,9 @@ def _jsonl_chunks(
             row = json.loads(line)
         except ValueError as exc:
             raise IngestError(path, str(lineno), ValidationError(f"invalid JSON: {exc}")) from exc
+        except RecursionError:
+            why = "JSON nested too deeply to read (at most a few hundred levels)"
+            raise IngestError(path, str(lineno), ValidationError(why)) from None
         if not isinstance(row, dict):
             raise IngestError(path, str(lineno), ValidationError("expected a JSON object"))
         if rename:

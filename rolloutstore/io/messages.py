@@ -15,13 +15,17 @@ A conversation is the prompt's turns, then one message per completion turn:
   is refused, naming it and ``--tokenizer``: token offsets do not map to character offsets
   of ``completion_text`` without one.
 
+Stored messages count when they are a non-empty list of objects; a role or content that is
+not text is written as its JSON text (null as empty), and any other value is no messages
+(:func:`rolloutstore.io.shapes.chat_messages`, the rule ``--as sft|dpo`` follow too). A
+``--tokenizer`` folder transformers cannot load is refused in one line naming it.
+
 Roles are the turns' (``assistant``, ``tool``, ``user``, ``system``). The file loads with
 ``datasets.load_dataset("json" | "parquet", ...)`` and TRL's trainers read ``messages``.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -29,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 
 from rolloutstore.errors import ExportError, MissingDependencyError
-from rolloutstore.io.shapes import MESSAGE, ShapedQuery, check_columns, quote
+from rolloutstore.io.shapes import MESSAGE, ShapedQuery, chat_messages, check_columns, quote
 
 if TYPE_CHECKING:
     from rolloutstore.store.log import RolloutLog
@@ -58,30 +62,25 @@ def tokenizer_decoder(path: str | os.PathLike) -> Decode:
         raise MissingDependencyError(
             "--tokenizer needs the `transformers` package; pip install transformers"
         ) from exc
-    tok = AutoTokenizer.from_pretrained(os.fspath(path), local_files_only=True)
+    try:
+        tok = AutoTokenizer.from_pretrained(os.fspath(path), local_files_only=True)
+    except Exception as exc:  # transformers raises whatever its file parsers raise
+        raise ExportError(
+            f"--tokenizer {os.fspath(path)}: not a tokenizer folder transformers can load "
+            f"({type(exc).__name__}: {_first_line(exc)}); pass the folder holding the "
+            "tokenizer (tokenizer.json, tokenizer_config.json) that produced the token ids"
+        ) from exc
     return lambda ids: tok.decode(ids, skip_special_tokens=True)
 
 
-def _content(v: Any) -> str:
-    if v is None:
-        return ""
-    return v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)
-
-
-def _messages(raw: str | None) -> list[dict[str, str]] | None:
-    """A stored JSON list of chat messages as ``{"role", "content"}`` dicts (None: absent)."""
-    if raw is None:
-        return None
-    turns = json.loads(raw)
-    if not isinstance(turns, list) or not all(isinstance(m, dict) for m in turns):
-        return None
-    return [{"role": _content(m.get("role")), "content": _content(m.get("content"))} for m in turns]
+def _first_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())[:300]
 
 
 def conversation(r: dict[str, Any], decode: Decode | None) -> list[dict[str, str]]:
     """The messages of one query row (with the ``_SOURCES`` columns); see the module doc."""
     rid = r["__id"]
-    prompt = _messages(r["__prompt_messages"])
+    prompt = chat_messages(r["__prompt_messages"], rid, "messages")
     if prompt is None:
         if r["__prompt_text"] is None:
             raise ExportError(
@@ -89,7 +88,7 @@ def conversation(r: dict[str, Any], decode: Decode | None) -> list[dict[str, str
                 "--as messages needs one of them"
             )
         prompt = [{"role": "user", "content": r["__prompt_text"]}]
-    done = _messages(r["__completion_messages"])
+    done = chat_messages(r["__completion_messages"], rid, "completion_messages")
     if done is not None:
         return prompt + done
     turns = r["__turns"] or [{"role": "assistant", "start": 0, "end": None}]
@@ -107,9 +106,15 @@ def conversation(r: dict[str, Any], decode: Decode | None) -> list[dict[str, str
             "--tokenizer DIR (the tokenizer that produced them) to decode them"
         )
     ids = r["__completion_ids"]
-    return prompt + [
-        {"role": t["role"], "content": decode(ids[t["start"] : t["end"]])} for t in turns
-    ]
+    try:
+        return prompt + [
+            {"role": t["role"], "content": decode(ids[t["start"] : t["end"]])} for t in turns
+        ]
+    except Exception as exc:  # the tokenizer's own error on ids it does not know
+        raise ExportError(
+            f"rollout {rid}: --tokenizer cannot decode its completion_ids "
+            f"({type(exc).__name__}: {_first_line(exc)}); pass the tokenizer that produced them"
+        ) from exc
 
 
 def messages_batch(b: pa.RecordBatch, schema: pa.Schema, decode: Decode | None) -> pa.RecordBatch:

@@ -58,6 +58,16 @@ TURNS = "__turns"  # the query's extra column: metadata's "messages" as JSON tex
 # `ingest --from openai` keeps them), per completion column.
 DONE = {"completion": "__done", "chosen": "__done_c", "rejected": "__done_j"}
 _DONE_SQL = "json_extract({t}.metadata, '$.completion_messages')::VARCHAR AS {col}"
+_CHAT_SQL = (
+    "json_extract({t}.metadata, '$.messages')::VARCHAR AS {turns}, {t}.prompt_text AS {text}"
+)
+# The rollout each text column comes from (named by errors), and the chat prompt's fallback.
+IDS = {"prompt": "__id", "completion": "__id", "messages": "__id", "chosen": "__id",
+       "rejected": "__id_j"}  # fmt: skip
+PROMPT_TEXT = "__prompt_text"
+# Output text column -> the store column it holds.
+TEXT_SOURCES = {"prompt": "prompt_text", "completion": "completion_text",
+                "chosen": "completion_text", "rejected": "completion_text"}  # fmt: skip
 
 
 def quote(name: str) -> str:
@@ -121,15 +131,17 @@ def build_query(
             f"SELECT {select} FROM rollouts {filt}",
             f"SELECT count(*) FROM rollouts {filt}",
         )
-    turns = f", json_extract(r.metadata, '$.messages')::VARCHAR AS {TURNS}" if chat else ""
+
+    def turns(t: str) -> str:  # a chat row's prompt turns and its prompt_text, of table t
+        return ", " + _CHAT_SQL.format(t=t, turns=TURNS, text=PROMPT_TEXT) if chat else ""
+
     if shape == "sft":
-        turns += ", " + _DONE_SQL.format(t="r", col=DONE["completion"]) if chat else ""
-        select = ", ".join(
-            f"r.{quote(SFT_COLUMNS[c])} AS {quote(c)}" for c in cols if c != "messages"
-        )
+        parts = [f"r.{quote(SFT_COLUMNS[c])} AS {quote(c)}" for c in cols if c != "messages"]
         if chat and "messages" in cols and "completion" not in cols:
-            select += (", " if select else "") + 'r."completion_text" AS "completion"'
-        select += turns
+            parts.append('r."completion_text" AS "completion"')
+        parts.append(f"r.rollout_id AS {IDS['completion']}")
+        select = ", ".join(parts) + turns("r")
+        select += ", " + _DONE_SQL.format(t="r", col=DONE["completion"]) if chat else ""
         if min_reward is None:
             body = (
                 f"WITH r AS ({base}), "
@@ -142,10 +154,15 @@ def build_query(
             body = f"WITH r AS ({base}) SELECT {select} FROM r WHERE r.reward >= ?"
         return body + " ORDER BY r.prompt_id, r.rollout_id", f"SELECT count(*) FROM ({body})"
     select = ", ".join(
-        f"{side}.{quote(src)} AS {quote(name)}"
-        for name, (side, src) in DPO_COLUMNS.items()
-        if name in cols
-    ) + turns.replace("r.metadata", "c.metadata")
+        [
+            *(
+                f"{side}.{quote(src)} AS {quote(name)}"
+                for name, (side, src) in DPO_COLUMNS.items()
+                if name in cols
+            ),
+            f"c.rollout_id AS {IDS['chosen']}, j.rollout_id AS {IDS['rejected']}",
+        ]
+    ) + turns("c")
     if chat:
         select += "".join(
             ", " + _DONE_SQL.format(t=t, col=DONE[side])
@@ -168,17 +185,20 @@ def build_query(
     return body + " ORDER BY p.group_id", f"SELECT count(*) FROM ({body})"
 
 
-def all_chat(store: RolloutLog, where: str | None, params, timeout: float | None) -> bool:
-    """Whether every (filtered) row is conversational: its metadata holds prompt turns."""
+def row_kinds(store: RolloutLog, where: str | None, params, timeout) -> tuple[bool, bool]:
+    """(chat, token_only) of the (filtered) rows: every row is conversational (its metadata
+    holds prompt turns), or no row has a prompt_text or completion_text (e.g. proxy rows)."""
     filt = f"WHERE ({where})" if where is not None else ""
-    n, chat = _first_row(
+    n, chat, text = _first_row(
         store,
-        "SELECT count(*), count(*) FILTER "
-        f"(WHERE json_type(metadata, '$.messages') = 'ARRAY') FROM rollouts {filt}",
+        "SELECT count(*), "
+        "count(*) FILTER (WHERE json_type(metadata, '$.messages') = 'ARRAY'), "
+        "count(*) FILTER (WHERE prompt_text IS NOT NULL OR completion_text IS NOT NULL) "
+        f"FROM rollouts {filt}",
         params,
         timeout,
     )
-    return n > 0 and n == chat
+    return n > 0 and n == chat, n > 0 and text == 0
 
 
 def _first_row(store: RolloutLog, sql: str, params, timeout: float | None) -> tuple:
@@ -193,28 +213,89 @@ def _first_row(store: RolloutLog, sql: str, params, timeout: float | None) -> tu
         con.close()
 
 
-def _turns(text: str | None) -> list[dict[str, Any]] | None:
-    if text is None:
+def _content(v: Any) -> str:
+    if v is None:
+        return ""
+    return v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)
+
+
+def chat_messages(raw: str | None, rid: str, field: str) -> list[dict[str, str]] | None:
+    """A stored JSON list of chat messages (metadata's ``field`` of rollout ``rid``) as
+    ``{"role", "content"}`` dicts of text, or None when the row keeps none: absent, or not a
+    non-empty list of objects (``[1, 2]``, ``[null]``). A role or content that is not text
+    (``5``, a dict, a nested list) is its JSON text, null is empty; JSON nested too deeply to
+    read is refused, naming the rollout and the field."""
+    if raw is None:
         return None
-    return [{"role": m.get("role"), "content": m.get("content")} for m in json.loads(text)]
+    try:
+        turns = json.loads(raw)
+        if not turns or not isinstance(turns, list) or not all(isinstance(m, dict) for m in turns):
+            return None
+        return [
+            {"role": _content(m.get("role")), "content": _content(m.get("content"))} for m in turns
+        ]
+    except RecursionError:
+        raise ExportError(
+            f"rollout {rid}: metadata {field!r} is JSON nested too deeply to read as chat "
+            "messages; fix or leave out that row (--where)"
+        ) from None
+
+
+def _null_text(shape: str, rid: str, field: str) -> ExportError:
+    return ExportError(
+        f"rollout {rid}: {field} is null; --as {shape} writes the text of every row it picks "
+        f"(--as messages refuses such rows too): leave them out with --where '{field} IS NOT "
+        "NULL', or export only token ids (--columns without the text columns, or --as rollouts)"
+    )
+
+
+def text_batch(b: pa.RecordBatch, schema: pa.Schema, shape: ExportShape) -> pa.RecordBatch:
+    """Standard (text) rows: the output columns of ``schema``; a null prompt or completion
+    text is refused, naming its rollout."""
+    for name in schema.names:
+        if name in TEXT_SOURCES and b.column(name).null_count:
+            first = b.column(name).is_null().to_pylist().index(True)
+            raise _null_text(shape, b.column(IDS[name])[first].as_py(), TEXT_SOURCES[name])
+    return b.select(schema.names)
+
+
+def _chat_prompt(r: dict[str, Any], shape: ExportShape) -> list[dict[str, str]]:
+    rid = r[IDS["prompt"]]
+    prompt = chat_messages(r[TURNS], rid, "messages")
+    if prompt is not None:
+        return prompt
+    if r[PROMPT_TEXT] is None:
+        raise ExportError(
+            f"rollout {rid}: no prompt_text and no prompt messages in its metadata; "
+            f"--as {shape} needs one of them (as --as messages does)"
+        )
+    return [{"role": "user", "content": r[PROMPT_TEXT]}]
+
+
+def _chat_completion(r: dict[str, Any], side: str, shape: ExportShape) -> list[dict[str, str]]:
+    own = chat_messages(r[DONE[side]], r[IDS[side]], "completion_messages")
+    if own is not None:
+        return own
+    if r[side] is None:
+        raise _null_text(shape, r[IDS[side]], "completion_text")
+    return [{"role": "assistant", "content": r[side]}]
 
 
 def chat_batch(b: pa.RecordBatch, schema: pa.Schema, shape: ExportShape) -> pa.RecordBatch:
-    """Text columns as turns: prompt = the stored turns, a completion = its trajectory's
-    messages when the row keeps them, else one assistant turn."""
-    rows = b.to_pylist()
+    """Text columns as turns: prompt = the stored turns (else one user turn holding
+    prompt_text), a completion = its trajectory's messages when the row keeps them, else one
+    assistant turn holding completion_text: the rules of ``--as messages``
+    (:func:`chat_messages`); a row without that text is refused, naming the rollout."""
     out: dict[str, list] = {name: [] for name in schema.names}
-    for r in rows:
-        turns = _turns(r.pop(TURNS))
-        done = {side: _turns(r.pop(col, None)) for side, col in DONE.items()}
+    for r in b.to_pylist():
+        prompt = _chat_prompt(r, shape)
         for name in schema.names:
             if name == "prompt":
-                out[name].append(turns)
+                out[name].append(prompt)
             elif name in DONE:
-                out[name].append(done[name] or [{"role": "assistant", "content": r[name]}])
+                out[name].append(_chat_completion(r, name, shape))
             elif name == "messages":
-                own = done["completion"] or [{"role": "assistant", "content": r["completion"]}]
-                out[name].append([*turns, *own])
+                out[name].append([*prompt, *_chat_completion(r, "completion", shape)])
             else:
                 out[name].append(r[name])
     return pa.RecordBatch.from_pydict(out, schema=schema)
@@ -277,13 +358,17 @@ def shape_query(
         "dpo": list(DPO_COLUMNS),
     }
     cols = check_columns(columns, allowed[as_], as_)
-    chat = as_ != "rollouts" and all_chat(store, where, params, timeout)
+    chat, token_only = (False, False)
+    if as_ != "rollouts":
+        chat, token_only = row_kinds(store, where, params, timeout)
     if as_ in ("sft", "dpo"):
         refuse_trajectories(store, as_, chat, where, params, timeout)
     if as_ == "sft" and columns is None:  # messages only for conversational rows
         cols.remove("messages")
         if chat:
             cols.insert(2, "messages")
+    if columns is None and token_only and not chat:  # text columns only for rows with text
+        cols = [c for c in cols if c not in TEXT_SOURCES]
     if "messages" in cols and not chat:
         raise ExportError(
             "--columns messages needs conversational rows (metadata with the prompt's "
@@ -297,4 +382,7 @@ def shape_query(
         args.append(min_reward)
     elif as_ == "dpo":
         args.append(min_margin)
-    return ShapedQuery(as_, query, count_query, args, schema, chat)
+    shape = chat_batch if chat else text_batch
+    return ShapedQuery(
+        as_, query, count_query, args, schema, chat, transform=lambda b: shape(b, schema, as_)
+    )

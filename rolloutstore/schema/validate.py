@@ -284,6 +284,13 @@ def _check_invariants(t: pa.Table, unique_ids: bool) -> None:
                     raise ValidationError(
                         f"expected a JSON string: {exc}", row=i, field=name
                     ) from exc
+                except RecursionError:
+                    raise ValidationError(
+                        "expected a JSON string nested at most a few hundred levels deep, "
+                        "found one too deep to read",
+                        row=i,
+                        field=name,
+                    ) from None
 
 
 def prepare(

@@ -175,3 +175,22 @@ def test_sft_and_dpo_write_a_kept_trajectory_as_its_messages(tmp_path):
     assert dpo["prompt"] == PROMPT and dpo["chosen"] == DONE and dpo["rejected"] == worse
     trl = pytest.importorskip("trl.data_utils")
     assert trl.is_conversational(sft) and trl.is_conversational(dpo)
+
+
+@pytest.mark.parametrize("what", ["corrupt tokenizer.json", "config a list", "empty", "/etc"])
+def test_a_tokenizer_folder_that_does_not_load_is_one_error_line(store, tmp_path, capsys, what):
+    tok = tmp_path / "tok"
+    if what == "/etc":
+        tok = "/etc"
+    else:
+        tok.mkdir()
+        if what == "corrupt tokenizer.json":
+            (tok / "tokenizer.json").write_text('{"version": "1.0", "model": {')
+        elif what == "config a list":
+            (tok / "tokenizer_config.json").write_text("[1, 2]")
+    out = tmp_path / "m.jsonl"
+    rc = main(["export", store.uri, str(out), "--as", "messages", "--tokenizer", str(tok), "-q"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and "\n" not in err, err
+    assert err.startswith(f"error: --tokenizer {tok}: not a tokenizer folder transformers can load")
+    assert not out.exists()

@@ -280,7 +280,11 @@ def _bad_files(tmp_path):
     corrupt = pqb[:100] + bytes(b ^ 0xFF for b in pqb[100:mid]) + pqb[mid:]
     lines = _jsonl(make_rows(3)).encode().splitlines(keepends=True)
     lines[2] = lines[2].replace(b'"run_id": "t"', b'"run_id": "t\xc3\x28"')
+    deep = _jsonl(make_rows(2)).encode().splitlines(keepends=True)
+    deep_meta = dict(make_rows(1)[0], metadata="[" * 100_000 + "]" * 100_000)
     return {
+        "deep.jsonl": deep[0] + b'{"metadata": ' + b"[" * 100_000 + b"]" * 100_000 + b"}\n",
+        "deepmeta.jsonl": _jsonl([deep_meta]).encode(),
         "truncated.jsonl.zst": zst[: len(zst) * 2 // 3],
         "notzstd.jsonl.zst": _jsonl(make_rows(2)).encode(),
         "empty.jsonl.zst": b"",
@@ -294,6 +298,8 @@ def _bad_files(tmp_path):
 
 
 EXPECT = {
+    "deep.jsonl": r"deep.jsonl:2: JSON nested too deeply",
+    "deepmeta.jsonl": r"deepmeta.jsonl:1, field 'metadata': .* too deep",
     "truncated.jsonl.zst": r"cut short",
     "notzstd.jsonl.zst": r"not zstd",
     "empty.jsonl.zst": r"empty file",

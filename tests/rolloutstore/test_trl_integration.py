@@ -40,7 +40,7 @@ def _trainer_class():
     return Recording
 
 
-def _make(tmp, model, max_steps, **replay):
+def _make(tmp, model, max_steps, *, store=None, args=None, **replay):
     from datasets import Dataset
     from trl import GRPOConfig
 
@@ -51,12 +51,14 @@ def _make(tmp, model, max_steps, **replay):
         output_dir=str(tmp / "out"), per_device_train_batch_size=ROWS, num_generations=GROUP,
         max_completion_length=8, max_steps=max_steps, save_steps=2, logging_steps=1,
         report_to=[], seed=0, learning_rate=1e-3, use_cpu=True, disable_tqdm=True, bf16=False,
+        **(args or {}),
     )  # fmt: skip
     replay = {"window": 64, "max_staleness": STALENESS, "fresh_fraction": 0.5, **replay}
     cfg = ReplayConfig(seed=0, **replay)
     trainer = _trainer_class()(
         model=str(model), reward_funcs=_digits, args=args,
-        train_dataset=Dataset.from_dict({"prompt": prompts}), store=tmp / "store", replay=cfg,
+        train_dataset=Dataset.from_dict({"prompt": prompts}), store=store or tmp / "store",
+        replay=cfg,
     )  # fmt: skip
     trainer.batches = []
     return trainer
@@ -189,10 +191,91 @@ def test_resume_continues_versions_without_duplicates_or_the_retaken_rows(runs):
         assert sel.step == step and (sel.staleness <= STALENESS).all()
 
 
-def test_refuses_a_window_smaller_than_a_generation_batch(runs):
+@pytest.mark.parametrize(
+    "args,replay,match",
+    [
+        ({}, {"window": 4}, r"window=4 is smaller than one generation batch \(8"),
+        ({"beta": 0.1}, {}, r"beta=0.1 \(no reference model"),
+    ],
+    ids=["window", "beta"],
+)
+def test_a_refused_trainer_creates_no_store(runs, tmp_path, args, replay, match):
     from rolloutstore.errors import UsageError
 
-    tmp = runs["tmp"] / "small"
-    tmp.mkdir()
-    with pytest.raises(UsageError, match=r"window=4 is smaller than one generation batch \(8"):
-        _make(tmp, runs["model"], 1, window=4)
+    with pytest.raises(UsageError, match=match):
+        _make(tmp_path, runs["model"], 1, args=args, **replay)
+    assert not (tmp_path / "store").exists()
+
+
+DAMAGED = {
+    "not json": lambda s: "{" + s[:20],
+    "a list": lambda s: "[1, 2]",
+    "no selector": lambda s: json.dumps(
+        {k: v for k, v in json.loads(s).items() if k != "selector"}
+    ),
+    "step a str": lambda s: json.dumps({**json.loads(s), "selector": {"step": "2"}}),
+    "saved_at not a time": lambda s: json.dumps({**json.loads(s), "saved_at": "yesterday"}),
+    "orphans": lambda s: json.dumps({**json.loads(s), "orphans": [["2024-01-01"]]}),
+    "store_version null": lambda s: json.dumps({**json.loads(s), "store_version": None}),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGED))
+def test_a_damaged_state_file_is_named(runs, tmp_path, damage):
+    from rolloutstore.errors import ResumeStateError
+    from rolloutstore.integrations.trl import STATE_FILE, read_state
+
+    good = (runs["tmp"] / "out" / "checkpoint-2" / STATE_FILE).read_text()
+    assert read_state(runs["tmp"] / "out" / "checkpoint-2" / STATE_FILE)["run_id"] == "trl"
+    path = tmp_path / STATE_FILE
+    path.write_text(DAMAGED[damage](good))
+    with pytest.raises(ResumeStateError) as exc:
+        read_state(path)
+    assert str(exc.value).startswith(f"{path} is damaged: expected") or "as JSON" in str(exc.value)
+    assert "\n" not in str(exc.value)
+
+
+def _resume_copy(runs, tmp, edit=None):
+    """A copy of checkpoint-2 in ``tmp/out``, its state file edited by ``edit``."""
+    import shutil
+
+    from rolloutstore.integrations.trl import STATE_FILE
+
+    ckpt = tmp / "out" / "checkpoint-2"
+    shutil.copytree(runs["tmp"] / "out" / "checkpoint-2", ckpt)
+    state = json.loads((ckpt / STATE_FILE).read_text())
+    (ckpt / STATE_FILE).write_text(edit(state) if edit else json.dumps(state))
+    return str(ckpt)
+
+
+def test_resume_refuses_a_damaged_state_file_another_store_or_an_older_store(runs, tmp_path):
+    """Each refused before the first resumed step: the run's store is left as it was."""
+    from rolloutstore import RolloutStore
+    from rolloutstore.errors import ResumeStateError
+
+    store = runs["store"]
+    before = RolloutStore.open(store.uri).version
+    ckpt = _resume_copy(runs, tmp_path / "damaged", lambda s: "{")
+    trainer = _make(tmp_path / "damaged", runs["model"], RESUME_STEPS, store=store.uri)
+    with pytest.raises(ResumeStateError, match=r"rolloutstore_state.json is damaged: it does not"):
+        trainer.train(resume_from_checkpoint=ckpt)
+
+    ckpt = _resume_copy(runs, tmp_path / "other")
+    trainer = _make(tmp_path / "other", runs["model"], RESUME_STEPS)  # a new store
+    with pytest.raises(ResumeStateError) as exc:
+        trainer.train(resume_from_checkpoint=ckpt)
+    assert f"was saved training from the store {store.uri!r}" in str(exc.value)
+    assert f"pass store={store.uri!r}" in str(exc.value)
+
+    # A new store where the checkpoint's was (here: the state names the new one's path).
+    fresh = tmp_path / "fresh" / "store"
+    ckpt = _resume_copy(
+        runs, tmp_path / "fresh", lambda s: json.dumps({**s, "store_uri": str(fresh)})
+    )
+    trainer = _make(tmp_path / "fresh", runs["model"], RESUME_STEPS)
+    with pytest.raises(
+        ResumeStateError, match=r"was saved at store version \d+, the store .* is at"
+    ):
+        trainer.train(resume_from_checkpoint=ckpt)
+    assert RolloutStore.open(store.uri).version == before
+    assert not trainer.batches

@@ -75,7 +75,9 @@ corruptions = st.one_of(
     ),
     st.tuples(st.just("bad_reward"), st.sampled_from([math.inf, -math.inf])),
     st.tuples(st.just("unknown_field"), st.sampled_from(["rewrd", "logprobs"])),
-    st.tuples(st.just("bad_json"), st.sampled_from(["{not json", "[1, 2"])),
+    st.tuples(
+        st.just("bad_json"), st.sampled_from(["{not json", "[1, 2", "[" * 10**5 + "]" * 10**5])
+    ),
 )
 
 
@@ -146,3 +148,11 @@ def test_embedding_dimension_is_enforced(store):
 def test_prepare_outputs_exact_schema(store):
     t = prepare(make_rows(3), store.schema)
     assert t.schema.equals(store.schema, check_metadata=False)
+
+
+def test_json_nested_too_deeply_to_read_is_refused_naming_row_and_field(store):
+    rows = make_rows(3)
+    rows[1]["metadata"] = "[" * 100_000 + "]" * 100_000
+    with pytest.raises(ValidationError, match=r"row 1, field 'metadata': .* too deep"):
+        store.append(rows)
+    assert store.count() == 0

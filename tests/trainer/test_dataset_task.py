@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from trainer.errors import TaskError, TaskFileError
+from trainer.store_commands import task_scorer
 from trainer.tasks import DatasetTask, Prompt, get_reward, get_task
 from trainer.tasks.chat import encode_prompt, render_prompts, uses_chat_template
 from trainer.tasks.rewards import _math_builtin, last_boxed, last_number
@@ -371,5 +372,5 @@ def test_math_run_stores_chat_rendered_prompts_and_reward_versions(tmp_path, mon
         assert meta["reward"] == {"name": "math", "version": info["reward_fn_version"]}
     # Re-scoring from the stored (rendered) prompt and answer reproduces every reward.
     task = TrainConfig.from_dict(data).task.build()
-    res = store.rescore(task)
+    res = store.rescore(task_scorer(task))
     assert res.rows == 16 and res.changed == 0

@@ -19,9 +19,10 @@ from helpers import resumable_run_toml, trainer_cli
 
 import trainer.run.checkpoint as C
 import trainer.run.sync as T
+from rolloutstore import RolloutStore
 from trainer.algo.optim import OptimConfig
 from trainer.config import ModelConfig, TrainConfig
-from trainer.errors import ConfigError
+from trainer.errors import ConfigError, RunDirError
 from trainer.models.lora import LoraSettings
 from trainer.run.resume import APPLIED, REFUSED, check_resume
 
@@ -172,6 +173,8 @@ def _with(cfg: TrainConfig, section: str, **changes) -> TrainConfig:
         ("model", {"device": "cpu", "attn_implementation": "eager"}, []),
         ("optim", {"seed": 7}, ["[optim].seed"]),
         ("model", {"dtype": "bfloat16", "num_layers": 2}, ["[model].dtype", "[model].num_layers"]),
+        ("model", {"hidden_size": 64}, ["[model].hidden_size"]),
+        ("model", {"vocab_size": 384}, ["[model].vocab_size"]),
         ("model", {"lora": LoraSettings()}, ["[model].lora"]),
     ],
 )
@@ -200,3 +203,50 @@ def test_every_optim_and_model_key_is_classified():
     keys |= {f"model.lora.{f.name}" for f in dataclasses.fields(LoraSettings)}
     assert not APPLIED & REFUSED.keys()
     assert keys == APPLIED | REFUSED.keys()
+
+
+def _cli_error(*args) -> str:
+    p = trainer_cli(*args)
+    out, err = p.communicate(timeout=300)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert p.returncode == 2 and "Traceback" not in err, err[-3000:]
+    assert [x for x in lines if x.startswith("error: ")] == lines[-1:], err
+    return lines[-1]
+
+
+def test_a_resume_whose_store_is_gone_is_refused_and_writes_nothing(run):
+    shutil.rmtree(run / "store")
+    before = _snapshot(run)
+    line = _cli_error("resume", str(run), "--set", "run.steps=6")
+    assert line.startswith(f"error: cannot resume {run}: checkpoint {_ckpt(run, 4)} trained on")
+    assert "there is no store there any more" in line and "restore that store" in line
+    assert _snapshot(run) == before and not (run / "store").exists()
+
+
+def test_a_resume_over_a_newer_store_in_its_place_is_refused(run):
+    shutil.rmtree(run / "store")
+    RolloutStore.open(run / "store")  # a new, empty store where the run's was
+    before = _snapshot(run)
+    with pytest.raises(RunDirError, match=r"at version \d+, and it is at version 1: an older"):
+        T.train(_config(run).with_run(steps=6), resume=True, progress=False)
+    assert _snapshot(run) == before
+
+
+@pytest.mark.parametrize(
+    "damage,named",
+    [
+        (lambda m: {k: v for k, v in m.items() if k != "config"}, "expected 'config'"),
+        (lambda m: {**m, "run_id": 7}, "expected 'run_id'"),
+        (lambda m: {**m, "resumes": [{"step": 2}]}, "expected 'resumes'"),
+        (lambda m: [m], "expected a JSON object"),
+    ],
+    ids=["no-config", "run-id", "resumes", "list"],
+)
+def test_a_damaged_run_json_is_one_error_line(tmp_path, damage, named):
+    _fake_run(tmp_path)
+    path = tmp_path / "run" / "run.json"
+    path.write_text(json.dumps(damage(json.loads(path.read_text()))))
+    with pytest.raises(RunDirError, match=f"{path} is damaged: {named}"):
+        check_resume(_config(tmp_path / "run"))
+    line = _cli_error("resume", str(tmp_path / "run"))
+    assert line.startswith(f"error: {path} is damaged: {named}") and "start a new run" in line

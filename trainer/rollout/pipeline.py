@@ -56,7 +56,7 @@ from trainer.rollout.sampling import (
     _not_int,
     sample_columns,
 )
-from trainer.tasks import Prompt, Task, get_task
+from trainer.tasks import Prompt, Task, get_task, score_completion
 from trainer.tasks.chat import render_prompts
 
 BACKENDS = ("vllm", "hf")
@@ -445,7 +445,9 @@ def _build_rows(
 ) -> list[dict[str, Any]]:
     """One batch's store rows, each built once: its ids (fixed before), what was sampled, the
     reward, the group advantage, the embedding and the bookkeeping columns."""
-    rewards = [task.reward(prompts[s.prompt_index], s.completion_text or "") for s in samples]
+    rewards = [
+        score_completion(task, prompts[s.prompt_index], s.completion_text or "") for s in samples
+    ]
     groups = [group_ids[s.prompt_index] for s in samples]
     adv = group_advantages([float(r.reward) for r in rewards], groups, ddof=ddof)
     emb = np.asarray(embedder.embed([s.completion_ids for s in samples]), dtype=np.float32)

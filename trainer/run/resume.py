@@ -20,6 +20,10 @@ resumed step or is refused before anything in the run folder is written
 Keys of the other sections apply as the loop reads them (e.g. ``run.steps``), unchecked;
 async actors the learner starts read the effective config (the newest resume's, as the learner).
 
+A resume also needs the store its checkpoints trained on: one whose store is gone, or at a
+lower version than its newest checkpoint read (a new store in its place), is refused
+(:func:`check_resume_store`) rather than continued over rows the interrupted run never saw.
+
 ``run.json`` keeps ``config``, the config the run started with, and gains a ``resumes`` list:
 one entry per resume with its time, the checkpoint and step it continued from, the keys it
 changed (``{"optim.lr": [old, new]}``) and its whole effective config (:func:`note_resume`).
@@ -75,7 +79,8 @@ CHECKED_SECTIONS = ("optim", "model")
 
 
 def read_run_meta(run_dir: str | os.PathLike) -> dict[str, Any]:
-    """``RUN_DIR/run.json``; :class:`RunDirError` when it is missing or damaged."""
+    """``RUN_DIR/run.json``; :class:`RunDirError` when it is missing or damaged (not JSON, or
+    without the run id, start time and config a resume continues with)."""
     path = Path(run_dir) / "run.json"
     if not path.is_file():
         raise RunDirError(
@@ -83,9 +88,64 @@ def read_run_meta(run_dir: str | os.PathLike) -> dict[str, Any]:
             f"`rolloutstore-train train CONFIG.toml`"
         )
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
+        meta = json.loads(path.read_text())
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise RunDirError(f"{path} is not valid JSON ({exc}); the run folder is damaged") from exc
+    if not isinstance(meta, dict):
+        raise _damaged(path, f"expected a JSON object, found {type(meta).__name__}")
+    for key, kind, what in _META_KEYS:
+        value = meta.get(key)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            found = "nothing" if key not in meta else f"{type(value).__name__} {value!r:.60}"
+            raise _damaged(path, f"expected {key!r} ({what}), found {found}")
+    resumes = meta.get("resumes", [])
+    if not isinstance(resumes, list) or not all(
+        isinstance(r, dict) and isinstance(r.get("config"), dict) for r in resumes
+    ):
+        raise _damaged(path, "expected 'resumes' a list of records, each with its 'config'")
+    return meta
+
+
+_META_KEYS = (
+    ("run_id", str, "the run's id"),
+    ("start_ms", int, "the run's start time in ms"),
+    ("config", dict, "the config the run started with"),
+)
+
+
+def _damaged(path: Path, what: str) -> RunDirError:
+    return RunDirError(
+        f"{path} is damaged: {what}; a resume continues with the run's recorded config: "
+        "restore run.json, or start a new run in another [run].dir"
+    )
+
+
+def check_resume_store(run_dir: str | os.PathLike, uri: str, storage_options=None) -> None:
+    """Refuse a resume whose store is gone, or older than the version its newest checkpoint
+    read (a new store in its place): the steps a checkpoint continues draw from the rows that
+    store held, so the exact resume would be silently lost. :class:`RunDirError`; reads only."""
+    from rolloutstore import RolloutStore
+    from rolloutstore.errors import StoreNotFoundError
+    from trainer.run.checkpoint import saved_state
+
+    found = saved_state(run_dir)
+    if found is None:  # no checkpoint: the resumed run starts at step 0 and makes its rows
+        return
+    ckpt, state = found
+    saved = state.get("store_version")
+    try:
+        version = RolloutStore.open(uri, create=False, storage_options=storage_options).version
+    except StoreNotFoundError:
+        why = "there is no store there any more"
+    else:
+        if not isinstance(saved, int) or version >= saved:
+            return
+        why = f"it is at version {version}: an older store, or a new one in its place"
+    raise RunDirError(
+        f"cannot resume {run_dir}: checkpoint {ckpt} trained on the rows of the store {uri} at "
+        f"version {saved}, and {why}; restore that store (or point [run] store at it), or "
+        "start a new run in another [run].dir"
+    )
 
 
 def effective_config(meta: dict[str, Any]) -> dict[str, Any]:

@@ -29,7 +29,8 @@ from trainer.run.checkpoint import (
     saved_state,
 )
 from trainer.run.distributed import Dist, shard_learner, wrap_learner
-from trainer.run.resume import note_resume
+from trainer.run.resume import note_resume, read_run_meta
+from trainer.tasks import score_completion
 from trainer.tasks.chat import render_prompts
 
 
@@ -110,7 +111,9 @@ def evaluate(generator, task, cfg: TrainConfig) -> float:
         max_total_tokens=g.max_total_tokens, **sampling.kwargs(),
     )  # fmt: skip
     return float(
-        np.mean([task.reward(p, s.completion_text).reward for p, s in zip(prompts, samples)])
+        np.mean(
+            [score_completion(task, p, s.completion_text).reward for p, s in zip(prompts, samples)]
+        )
     )
 
 
@@ -240,17 +243,13 @@ def build_learner(cfg: TrainConfig, model, device: torch.device) -> Learner:
 def run_meta(run_dir: Path, cfg: TrainConfig, resume: bool) -> dict[str, Any]:
     meta_path = run_dir / "run.json"
     remove_abandoned_saves(run_dir)  # .tmp-step-* folders of saves a kill cut short
-    if meta_path.exists():
-        meta = json.loads(meta_path.read_text())
-        if not resume and latest_checkpoint(run_dir) is not None:
-            raise RunDirError(
-                f"{run_dir} already holds a run; continue it with `rolloutstore-train resume "
-                f"{run_dir}` or choose another [run].dir"
-            )
-        if resume:
-            return meta
-    elif resume:
-        raise RunDirError(f"{run_dir} holds no run to resume (no run.json)")
+    if resume:
+        return read_run_meta(run_dir)
+    if meta_path.exists() and latest_checkpoint(run_dir) is not None:
+        raise RunDirError(
+            f"{run_dir} already holds a run; continue it with `rolloutstore-train resume "
+            f"{run_dir}` or choose another [run].dir"
+        )
     start_ms = cfg.run.id_time_ms or time.time_ns() // 1_000_000
     meta = {"run_id": cfg.run_id, "start_ms": start_ms, "config": cfg.to_dict()}
     meta_path.write_text(json.dumps(meta, indent=2))

@@ -52,7 +52,7 @@ from trainer.run.distributed import from_env as dist_from_env
 from trainer.run.faults import crash_at
 from trainer.run.loop import Loop
 from trainer.run.metrics import Metrics
-from trainer.run.resume import check_resume
+from trainer.run.resume import check_resume, check_resume_store
 from trainer.run.setup import (
     TrainResult,
     check_world_size,
@@ -72,6 +72,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> T
     """
     if resume:  # [optim] / [model] changes a resume cannot apply: refused, nothing written
         check_resume(cfg)
+        check_resume_store(cfg.run.dir, *store_location(cfg, Path(cfg.run.dir)))
     check_model(cfg.model)  # folder, device, dtype: refused before any run state is written
     if cfg.run.fsdp and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         raise RunDirError(

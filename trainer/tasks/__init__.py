@@ -3,7 +3,8 @@
 ``get_task("arith")``, ``get_task("countdown", num_numbers=5)`` or
 ``get_task("dataset", path="math.jsonl", reward="math")`` (``file`` is the same task under
 its original name) return a :class:`Task` whose ``make_prompts(n, seed)`` draws prompts and
-whose ``reward(prompt, completion_text)`` scores a completion. ``chat_template`` (``True``,
+whose ``reward(prompt, completion_text)`` scores a completion (the loops score through
+:func:`score_completion`, which reads at most :data:`MAX_SCORED_CHARS` characters). ``chat_template`` (``True``,
 ``False`` or ``"auto"``) says how its prompts reach a model (trainer/tasks/chat.py). Register
 more with :func:`register_task`.
 """
@@ -13,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from trainer.tasks.arith import ArithConfig, ArithTask
-from trainer.tasks.base import Prompt, RewardResult, Task
+from trainer.tasks.base import MAX_SCORED_CHARS, Prompt, RewardResult, Task, score_completion
 from trainer.tasks.chat import check_chat_mode
 from trainer.tasks.countdown import CountdownConfig, CountdownTask
 from trainer.tasks.dataset import DatasetTask, FileTask
@@ -21,6 +22,7 @@ from trainer.tasks.rewards import BUILTIN_REWARDS, Reward, get_reward
 
 __all__ = [
     "BUILTIN_REWARDS",
+    "MAX_SCORED_CHARS",
     "ArithConfig",
     "ArithTask",
     "CountdownConfig",
@@ -35,6 +37,7 @@ __all__ = [
     "get_reward",
     "get_task",
     "register_task",
+    "score_completion",
 ]
 
 _REGISTRY: dict[str, Callable[..., Task]] = {

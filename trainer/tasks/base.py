@@ -11,6 +11,13 @@ import abc
 from dataclasses import dataclass, field
 from typing import Any
 
+# Completions longer than this many characters are not read by a reward: :func:`score_completion`
+# gives them 0.0 as unparseable. Built-in parsers are linear in the text, but a reward may run
+# a user's regex or math-verify over it; a million characters (some 250k tokens) is far more
+# than any answer a verifier needs to find, and a row that long is a runaway generation or a
+# hostile import, not a solution.
+MAX_SCORED_CHARS = 1_000_000
+
 
 @dataclass(frozen=True)
 class Prompt:
@@ -86,15 +93,32 @@ class Task(abc.ABC):
         """Score ``completion_text`` as an answer to ``prompt``."""
 
     def rewards(self, prompts: list[Prompt], completions: list[str]) -> list[RewardResult]:
-        """Score a batch pairwise; a convenience over :meth:`reward`."""
+        """Score a batch pairwise (:func:`score_completion`)."""
         if len(prompts) != len(completions):
             raise ValueError(
                 f"got {len(prompts)} prompts but {len(completions)} completions; they must pair up"
             )
-        return [self.reward(p, c) for p, c in zip(prompts, completions)]
+        return [score_completion(self, p, c) for p, c in zip(prompts, completions)]
 
 
 def check_count(n: int) -> None:
     """Validate the ``n`` argument of ``make_prompts``."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
         raise ValueError(f"n must be a non-negative int, got {n!r}")
+
+
+def score_completion(task: Task, prompt: Prompt, completion_text: str) -> RewardResult:
+    """``task.reward`` of a completion up to :data:`MAX_SCORED_CHARS` characters; a longer one
+    is not read and scores 0.0 as unparseable (``info["error"]`` says why). Generation,
+    evaluation and ``rescore`` score through here."""
+    if len(completion_text) > MAX_SCORED_CHARS:
+        return RewardResult(
+            0.0,
+            {
+                "parsed": None,
+                "correct": False,
+                "error": f"completion of {len(completion_text)} characters is longer than the "
+                f"{MAX_SCORED_CHARS} a reward reads; scored as unparseable",
+            },
+        )
+    return task.reward(prompt, completion_text)

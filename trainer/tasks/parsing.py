@@ -2,7 +2,10 @@
 
 Completions are untrusted model output, so nothing here ever calls ``eval``/``exec``: arithmetic
 is parsed with :mod:`ast` and only a whitelist of nodes (binary ``+ - * /`` over integer literals)
-is interpreted, with exact rational arithmetic. Used via ``trainer.tasks``; no CLI.
+is interpreted, with exact rational arithmetic. Tags are found with ``str.find`` scans whose work
+is linear in the text: the regex ``<answer>(.*?)</answer>`` gave the same blocks but rescanned
+to the end from every unclosed tag (quadratic: minutes on a megabyte of ``<answer>``).
+Used via ``trainer.tasks``; no CLI.
 """
 
 from __future__ import annotations
@@ -10,12 +13,13 @@ from __future__ import annotations
 import ast
 import operator
 import re
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
 from fractions import Fraction
 
 from trainer.errors import UnsafeExpressionError
 
-ANSWER_TAG_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+ANSWER_OPEN, ANSWER_CLOSE = "<answer>", "</answer>"
 # The look-behind stops "37-45" from parsing as the negative number -45.
 _INT_RE = re.compile(r"(?<![0-9])-?[0-9]+")
 # Longer digit strings are never a legitimate answer here and int() on megabyte-long
@@ -32,10 +36,61 @@ _BINOPS: dict[type[ast.operator], Callable[[Fraction, Fraction], Fraction]] = {
 }
 
 
+def tagged_blocks(text: str, open_tag: str, close_tag: str) -> Iterator[tuple[int, int]]:
+    """``(start, end)`` of each ``open_tag ... close_tag`` block's content, left to right: the
+    blocks ``re.finditer(open + "(.*?)" + close, text, re.DOTALL)`` finds (each block ends at
+    the first closing tag after its opening tag; the next starts after it), in linear time."""
+    if not open_tag or not close_tag:
+        raise ValueError("tags must be non-empty")
+    pos = 0
+    while (start := text.find(open_tag, pos)) >= 0:
+        end = text.find(close_tag, start + len(open_tag))
+        if end < 0:  # no later opening tag has a closing tag after it either
+            return
+        yield start + len(open_tag), end
+        pos = end + len(close_tag)
+
+
 def extract_tagged(text: str) -> str | None:
     """Content of the last ``<answer>...</answer>`` block, stripped; ``None`` when absent."""
-    matches = ANSWER_TAG_RE.findall(text)
-    return matches[-1].strip() if matches else None
+    last = deque(tagged_blocks(text, ANSWER_OPEN, ANSWER_CLOSE), maxlen=1)
+    return text[last[0][0] : last[0][1]].strip() if last else None
+
+
+def replace_blocks(text: str, tags: Sequence[tuple[str, str]], repl: str) -> str:
+    """``text`` with each ``open ... close`` block of the ``(open, close)`` pairs ``tags``
+    replaced by ``repl``: what ``re.sub`` does with the alternation ``open1.*?close1|...``
+    (escaped, DOTALL; at each position the pairs are tried in order), in linear time."""
+    if not all(o and c for o, c in tags):
+        raise ValueError("tags must be non-empty")
+    live = list(range(len(tags)))  # pairs that may still match
+    nxt = [text.find(o) for o, _ in tags]  # each pair's next opening tag at or after pos
+    close = [-1] * len(tags)  # the closing tag each pair found last
+    out, pos = [], 0
+    while live := [k for k in live if nxt[k] >= 0]:
+        at = min(nxt[k] for k in live)
+        end = None
+        for k in [k for k in live if nxt[k] == at]:
+            start = at + len(tags[k][0])
+            if close[k] < start:
+                close[k] = text.find(tags[k][1], start)
+            if close[k] < 0:  # no closing tag after this opening tag, nor after any later one
+                nxt[k] = -1
+                continue
+            end = close[k] + len(tags[k][1])
+            break
+        if end is None:  # no block starts here: the next opening tags after it
+            for k in live:
+                if nxt[k] == at:
+                    nxt[k] = text.find(tags[k][0], at + 1)
+            continue
+        out += [text[pos:at], repl]
+        pos = end
+        for k in live:
+            if 0 <= nxt[k] < pos:
+                nxt[k] = text.find(tags[k][0], pos)
+    out.append(text[pos:])
+    return "".join(out)
 
 
 def last_int(text: str) -> int | None:

@@ -26,14 +26,13 @@ answer counts, while a result the model never restated is no answer. Its
 from __future__ import annotations
 
 import hashlib
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
 from trainer.errors import ConfigError, UnsafeExpressionError
 from trainer.tasks.base import Prompt, RewardResult, Task
-from trainer.tasks.parsing import MAX_INT_DIGITS, safe_eval
+from trainer.tasks.parsing import MAX_INT_DIGITS, replace_blocks, safe_eval
 
 RESULT_OPEN, RESULT_CLOSE = "<result>", "</result>"
 ERROR_TEXT = "error"
@@ -101,9 +100,8 @@ class ToolEnv:
         self.tools = tuple(TOOLS[n] for n in check_tool_names(tools))
         if not self.tools:
             raise ValueError("a ToolEnv needs at least one tool")
-        spans = [(re.escape(t.open_tag), re.escape(t.close_tag)) for t in self.tools]
-        spans.append((re.escape(RESULT_OPEN), re.escape(RESULT_CLOSE)))
-        self._spans = re.compile("|".join(f"{o}.*?{c}" for o, c in spans), re.DOTALL)
+        self._blocks = [(t.open_tag, t.close_tag) for t in self.tools]
+        self._blocks.append((RESULT_OPEN, RESULT_CLOSE))
 
     @property
     def stop_strings(self) -> list[str]:
@@ -130,8 +128,9 @@ class ToolEnv:
 
     def model_text(self, trajectory_text: str) -> str:
         """``trajectory_text`` with every call and result block replaced by a line break: what
-        the model stated itself, outside the tools."""
-        return self._spans.sub("\n", trajectory_text)
+        the model stated itself, outside the tools. Linear in the text (a regex over the
+        blocks rescanned to the end from every unclosed tag)."""
+        return replace_blocks(trajectory_text, self._blocks, "\n")
 
 
 class ToolTask(Task):
