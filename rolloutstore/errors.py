@@ -150,3 +150,8 @@ class RescoreError(RolloutStoreError, ValueError):
 
 class ShortBatchWarning(UserWarning):
     """A drawn batch holds fewer rows than asked (``per_prompt_cap``, a small buffer)."""
+
+
+class MissingEmbeddingWarning(UserWarning):
+    """``diversity="embedding"`` met rows without an embedding (imported rows): they were
+    drawn with prompt diversity instead; ``Selection.no_embedding`` counts them."""

@@ -313,6 +313,9 @@ def _sleep(seconds: float) -> float:
 def _batch_metrics(batch: dict[str, Any], learner_version: int) -> dict[str, Any]:
     """What a train record says of its batch: reward, staleness, policy versions drawn."""
     stale = batch["staleness"].numpy()
+    extra = {}
+    if batch.get("no_embedding") is not None:  # diversity="embedding": rows it fell back on
+        extra["no_embedding"] = int(batch["no_embedding"])
     return {
         "reward": float(batch["rewards"].mean()),
         "learner_version": learner_version,
@@ -321,6 +324,7 @@ def _batch_metrics(batch: dict[str, Any], learner_version: int) -> dict[str, Any
         "staleness_mean": float(stale.mean()),
         "policy_versions": sorted({int(v) for v in batch["policy_version"].numpy()}),
         "store_version": int(batch["store_version"]),
+        **extra,
     }
 
 

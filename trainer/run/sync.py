@@ -261,6 +261,8 @@ class SyncLoop(Loop):
             learner_ranks=self.d.world_size,
             **self.totals,
         )
+        if batch.get("no_embedding") is not None:  # diversity="embedding": rows it fell back on
+            m["no_embedding"] = int(batch["no_embedding"])
         if ctl is not None:
             ctl.observe_step(m)
             m.update(updates_per_round=ctl.updates, fresh_fraction=ctl.fresh)
