@@ -132,6 +132,10 @@ class ExportError(RolloutStoreError, ValueError):
     """An export was asked for with options that do not fit together, or could not be written."""
 
 
+class EmptyExportError(ExportError):
+    """An export would hold no row (its message says why); nothing was written."""
+
+
 class MissingDependencyError(RolloutStoreError, ImportError):
     """An optional package needed by the asked-for format is not installed."""
 

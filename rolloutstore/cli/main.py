@@ -95,6 +95,7 @@ def cmd_export(a) -> None:
         progress=not a.quiet,
         timeout=a.timeout,
         tokenizer=a.tokenizer,
+        keep_duplicates=a.keep_duplicates,
     )
     print(f"exported {r.rows} rows ({a.as_}, {fmt}) to {r.path}")
 
@@ -217,7 +218,14 @@ def _add_query_commands(sub) -> None:
         "--min-reward",
         type=float,
         default=None,
-        help="sft: every completion with reward >= R (default: the best per prompt)",
+        help="sft: every completion with reward >= R (default: each prompt's best "
+        "completions, when their reward is > 0)",
+    )
+    p.add_argument(
+        "--keep-duplicates",
+        action="store_true",
+        help="sft: keep repeated (prompt, completion) pairs (default: each pair once, its "
+        "highest reward)",
     )
     p.add_argument(
         "--min-margin",

@@ -26,9 +26,12 @@ the prompt's ``messages``, as ``ingest --from trl|openai`` writes) those columns
 of ``{"role", "content"}`` turns and ``sft`` adds ``messages`` (prompt turns + completion).
 
 ``sft``
-    per ``prompt_id``, the completions with the highest reward (ties all kept);
-    with ``min_reward`` instead every completion with ``reward >= min_reward``.
-    Unscored rows (reward null) are skipped. Sorted by prompt_id, rollout_id.
+    per ``prompt_id``, the completions with the highest reward (ties all kept) when that
+    reward is above 0 (``SFT_FLOOR``: a best answer that scored 0 teaches nothing); with
+    ``min_reward`` instead every completion with ``reward >= min_reward``. Unscored rows
+    (reward null) are skipped; a (prompt, completion tokens) pair is kept once (the highest
+    reward, then the smallest rollout_id) unless ``keep_duplicates``. Sorted by prompt_id,
+    rollout_id.
 ``dpo``
     one pair per ``group_id``: chosen = highest reward, rejected = lowest reward
     (ties broken by the smallest rollout_id), kept when
@@ -69,7 +72,7 @@ import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from rolloutstore.errors import ExportError, MissingDependencyError, QueryError
+from rolloutstore.errors import EmptyExportError, ExportError, MissingDependencyError, QueryError
 from rolloutstore.io.outputs import (
     OutputTarget,
     check_output_path,
@@ -84,6 +87,8 @@ from rolloutstore.io.shapes import (
     ExportShape,
     ShapedQuery,
     chat_batch,
+    empty_reason,
+    first_row,
     shape_query,
 )
 from rolloutstore.query.limits import limits
@@ -92,6 +97,7 @@ from rolloutstore.query.sql import check_where
 __all__ = [
     "DPO_COLUMNS",
     "SFT_COLUMNS",
+    "EmptyExportError",
     "ExportError",
     "ExportResult",
     "MissingDependencyError",
@@ -216,6 +222,7 @@ def export(
     progress: bool = True,
     timeout: float | None = None,
     tokenizer: str | os.PathLike | None = None,
+    keep_duplicates: bool = False,
 ) -> ExportResult:
     """Write ``store``'s rows (shaped by ``as_``) to ``out``; see the module docstring.
 
@@ -224,8 +231,10 @@ def export(
     names (.parquet, .jsonl, .jsonl.zst), else ``parquet``. A format that contradicts
     the extension is refused. ``min_reward`` applies to ``sft`` only,
     ``min_margin`` (default 0.5) to ``dpo`` only, ``tokenizer`` (a tokenizer folder, to
-    decode the turns of multi-turn rows) to ``messages`` only. Returns the rows written and
-    the path.
+    decode the turns of multi-turn rows) to ``messages`` only. ``sft`` drops repeated
+    (prompt, completion tokens) pairs unless ``keep_duplicates``. Returns the rows written and
+    the path. An export that would hold no row raises ``EmptyExportError`` (saying why) and
+    writes nothing.
     """
     path = check_output_path(out, what="export output")
     format = _resolve_format(path, format)
@@ -237,12 +246,20 @@ def export(
         raise QueryError(f"{len(params)} params given but no --where to bind them to")
     if tokenizer is not None and as_ != "messages":
         raise ExportError(f"--tokenizer applies to --as messages only, found --as {as_}")
+    if keep_duplicates and as_ != "sft":
+        raise ExportError(f"--keep-duplicates applies to --as sft only, found --as {as_}")
     if as_ == "messages":
         from rolloutstore.io.messages import messages_query
 
         shaped = messages_query(store, columns, where, params, tokenizer)
     else:
-        shaped = shape_query(store, as_, columns, where, params, min_reward, min_margin, timeout)
+        shaped = shape_query(
+            store, as_, columns, where, params, min_reward, min_margin, timeout, keep_duplicates
+        )
+    if first_row(store, shaped.count_query, shaped.args, timeout)[0] == 0:
+        raise EmptyExportError(
+            empty_reason(store, as_, where, params, min_reward, min_margin, timeout)
+        )
     _prepare_target(target, format)
     return ExportResult(_write(store, shaped, target, format, progress, timeout), path)
 
