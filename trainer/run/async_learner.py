@@ -337,14 +337,19 @@ class _Generated:
         self.version: int | None = None
         self.totals = {"generated_rollouts": 0, "generated_tokens": 0}
 
-    def read(self) -> dict[str, int]:
+    def read(self) -> dict[str, Any]:
+        """The totals, and ``policy_reward``: the mean reward of the newest policy version's
+        rollouts (the actors' newest rounds), the policy's own beside the replayed batch's."""
         version = self.store.version
         if version != self.version:
             row = self.store.sql(
-                "SELECT count(*) AS n, coalesce(sum(num_model_tokens), 0) AS t "
-                "FROM rollouts WHERE run_id = ?",
-                [self.run_id],
+                "SELECT count(*) AS n, coalesce(sum(num_model_tokens), 0) AS t, "
+                "avg(reward) FILTER (WHERE policy_version = (SELECT max(policy_version) "
+                "FROM rollouts WHERE run_id = ?)) AS r FROM rollouts WHERE run_id = ?",
+                [self.run_id, self.run_id],
             ).to_pylist()[0]
             self.version = version
             self.totals = {"generated_rollouts": int(row["n"]), "generated_tokens": int(row["t"])}
+            if row["r"] is not None:
+                self.totals["policy_reward"] = float(row["r"])
         return dict(self.totals)
