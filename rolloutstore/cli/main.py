@@ -104,8 +104,14 @@ def cmd_sample(a) -> None:
     from rolloutstore.options import dataclass_from_args
     from rolloutstore.replay import ReplayConfig, Selector
 
+    params = [_param(p) for p in a.param]
+    if a.where_params is not None:
+        if params:
+            raise UsageError("give the --where values as --param V (once per ?), not both ways")
+        print("warning: --where-params is deprecated; use --param V, once per ?", file=sys.stderr)
+        params = [_param(p) for p in a.where_params]
     try:
-        cfg = dataclass_from_args(ReplayConfig, a)
+        cfg = dataclass_from_args(ReplayConfig, a, where_params=tuple(params))
     except (ValueError, TypeError) as exc:  # ReplayConfig names the offending option
         raise UsageError(str(exc)) from exc
     store = open_store(a.store)
@@ -256,7 +262,15 @@ def _add_query_commands(sub) -> None:
     from rolloutstore.options import add_dataclass_args
     from rolloutstore.replay import ReplayConfig
 
-    add_dataclass_args(p, ReplayConfig)
+    add_dataclass_args(p, ReplayConfig, skip=("where_params",))
+    p.add_argument("--param", action="append", default=[], help="value for the next ? in --where")
+    p.add_argument(
+        "--where-params",
+        nargs="+",
+        default=None,
+        metavar="V",
+        help="deprecated: the --where values in one list; use --param V per ? (as sql, export)",
+    )
     p.set_defaults(func=cmd_sample)
 
 
