@@ -60,3 +60,20 @@ def test_cli_sample_embedding_diversity_on_imported_rows(tmp_path, capsys):
     ids = [json.loads(line)["rollout_id"] for line in out.splitlines()]
     assert len(ids) == 32 and len(set(ids)) == 32
     assert "warning:" in err and "have no embedding" in err
+
+
+def test_loader_batches_carry_the_count_a_train_record_logs(tmp_path):
+    from rolloutstore import ReplayDataset
+
+    store = _store(tmp_path, 20, 44)
+    cfg = ReplayConfig(diversity="embedding", seed=2)
+    with pytest.warns(MissingEmbeddingWarning):
+        batches = list(ReplayDataset(store, cfg, batch_size=32, learner_version=5, steps=3,
+                                     record_usage=False))  # fmt: skip
+    t = store.dataset().to_table(columns=["rollout_id", "embedding"]).to_pylist()
+    missing = {r["rollout_id"] for r in t if r["embedding"] is None}
+    for b in batches:
+        assert len(set(b["rollout_ids"])) == 32
+        assert b["no_embedding"] == sum(i in missing for i in b["rollout_ids"]) > 0
+    (plain,) = ReplayDataset(store, ReplayConfig(), batch_size=4, learner_version=5, steps=1)
+    assert plain["no_embedding"] is None
