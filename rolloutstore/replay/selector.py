@@ -34,6 +34,12 @@ by group (a group is fresh if its newest row is). Importance weights correct onl
 the priority sampling within a side, ``w = (N_s P_s(i))^-beta`` normalised by the
 max over both sides, so uniform priority keeps w = 1: the mix, like
 ``positive_fraction``, is a deliberate target distribution, not a bias to undo.
+
+Without ``replacement`` a batch never holds a row twice, whatever the diversity mode.
+Embedding diversity (farthest-point over a priority-drawn pool) places only rows with an
+embedding; the pool's rows without one (imported rows) are drawn with prompt diversity and
+interleaved at their share of the pool; ``Selection.no_embedding`` counts them and the
+first such draw warns (``MissingEmbeddingWarning``).
 """
 
 from __future__ import annotations
