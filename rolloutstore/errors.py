@@ -132,6 +132,10 @@ class ExportError(RolloutStoreError, ValueError):
     """An export was asked for with options that do not fit together, or could not be written."""
 
 
+class EmptyExportError(ExportError):
+    """An export would hold no row (its message says why); nothing was written."""
+
+
 class MissingDependencyError(RolloutStoreError, ImportError):
     """An optional package needed by the asked-for format is not installed."""
 
@@ -154,3 +158,8 @@ class ShortBatchWarning(UserWarning):
 
 class ResumeStateError(RolloutStoreError, ValueError):
     """A checkpoint's rolloutstore state is damaged, or belongs to another run or store."""
+
+
+class MissingEmbeddingWarning(UserWarning):
+    """``diversity="embedding"`` met rows without an embedding (imported rows): they were
+    drawn with prompt diversity instead; ``Selection.no_embedding`` counts them."""

@@ -2,7 +2,8 @@
 
 rolloutstore-train train CONFIG.toml [--set run.steps=20 ...]
 rolloutstore-train train CONFIG.toml --set 'run.mode="async"' --actors 2
-rolloutstore-train resume RUN_DIR [--steps N]
+rolloutstore-train resume RUN_DIR [--set run.steps=N ...]
+rolloutstore-train config --defaults        # every config key, its default and help (TOML)
 torchrun --nproc-per-node 2 -m trainer train CONFIG.toml   # distributed learners (sync mode)
 rolloutstore-train actor RUN_DIR [--actor-id K] [--learner-weights DIR]  # async; learner starts it
 rolloutstore-train actor CONFIG.toml --store s3://B/store --learner-weights s3://B/weights  # remote
@@ -26,16 +27,33 @@ from trainer.errors import TrainerError
 
 
 def _apply_sets(data: dict, sets: list[str]) -> dict:
+    """``--set SECTION.KEY=VALUE`` (VALUE in TOML, else a bare string) into ``data``; a dotted
+    KEY reaches into nested tables (``task.options.reward=math``, ``replay.control.enabled``,
+    ``model.lora.rank``), creating them when absent."""
     for item in sets:
         key, sep, raw = item.partition("=")
-        if not sep or "." not in key:
-            raise ConfigError(f"--set takes SECTION.KEY=VALUE, got {item!r}")
-        section, name = key.split(".", 1)
+        parts = key.strip().split(".")
+        if not sep or len(parts) < 2 or not all(parts):
+            raise ConfigError(
+                f"--set takes SECTION.KEY=VALUE (SECTION.TABLE.KEY=VALUE for a nested key, e.g. "
+                f"task.options.reward=math), got {item!r}"
+            )
         try:
             value = tomllib.loads(f"v = {raw}")["v"]
         except tomllib.TOMLDecodeError:
             value = raw  # a bare string
-        data.setdefault(section, {})[name] = value
+        node = data
+        for depth, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:  # absent, or null in a run.json ([model.lora] off)
+                child = node[part] = {}
+            elif not isinstance(child, dict):
+                raise ConfigError(
+                    f"--set {key}: {'.'.join(parts[: depth + 1])} is {child!r}, not a table; "
+                    f"set it whole (--set {'.'.join(parts[: depth + 1])}=...) or name a table"
+                )
+            node = child
+        node[parts[-1]] = value
     return data
 
 
@@ -107,6 +125,12 @@ def cmd_resume(a) -> None:
     _summary(train(cfg, resume=True, progress=not a.quiet))
 
 
+def cmd_config(a) -> None:
+    from trainer.config import defaults_toml
+
+    print(defaults_toml(), end="")
+
+
 def cmd_plot(a) -> None:
     from trainer.run.plot import plot_run
 
@@ -125,6 +149,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plot", help="PNGs of reward, entropy, staleness vs step and tokens")
     p.add_argument("run_dir")
     p.set_defaults(func=cmd_plot)
+    p = sub.add_parser("config", help="print every config key with its default and help")
+    p.add_argument(
+        "--defaults",
+        action="store_true",
+        required=True,
+        help="every key of every table, its default and help, as a TOML file",
+    )
+    p.set_defaults(func=cmd_config)
     register_commands(sub)  # generate, rescore, ingest
     add_debug_flag(ap, sub)
     return ap

@@ -446,3 +446,79 @@ def configured_location(cfg: TrainConfig, what: Literal["store", "weights"]) -> 
     """``[run] store`` / ``weights``, else $ROLLOUTSTORE_STORE_URI / _WEIGHTS_URI, else None."""
     env = STORE_ENV if what == "store" else WEIGHTS_ENV
     return getattr(cfg.run, what) or os.environ.get(env) or None
+
+
+# -- `rolloutstore-train config --defaults` ---------------------------------------------------------
+# Every table a run config may hold, in the order a config file reads; subtables after their parent.
+TABLES: dict[str, type] = {
+    "model": ModelConfig,
+    "model.lora": LoraSettings,
+    "task": TaskConfig,
+    "generation": GenerationConfig,
+    "replay": ReplayConfig,
+    "replay.control": ControlConfig,
+    "loss": LossConfig,
+    "optim": OptimConfig,
+    "run": RunConfig,
+}
+# Subtables that are off unless present: their keys are printed commented out.
+OFF_UNLESS_PRESENT = {"model.lora"}
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, float) and v != v:
+        return "nan"
+    if isinstance(v, float) and v in (float("inf"), float("-inf")):
+        return "inf" if v > 0 else "-inf"
+    if isinstance(v, int | float):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)  # a JSON string is a TOML basic string
+    if isinstance(v, list | tuple):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + "}"
+    raise TypeError(f"no TOML form for {v!r}")
+
+
+def defaults_toml() -> str:
+    """Every key of every table with its default and help, as a TOML file that loads to the
+    default config: each key's help as a comment above it; keys whose default is unset
+    (None: off, or following [run]) and the keys of off-by-default subtables commented out."""
+    from rolloutstore.options import field_default
+
+    lines = [
+        "# rolloutstore-train: every config key with its default (rolloutstore-train config "
+        "--defaults).",
+        "# Unset keys and off-by-default tables are commented out; uncomment to set them.",
+    ]
+    for table, cls in TABLES.items():
+        off = table in OFF_UNLESS_PRESENT
+        lines += ["", f"# [{table}]" if off else f"[{table}]"]
+        if cls.__doc__ and off:
+            lines.append(f"# {cls.__doc__.strip().splitlines()[0]}")
+        for f in dataclasses.fields(cls):
+            if dataclasses.is_dataclass(_field_type(cls, f.name)):  # a subtable: its own header
+                continue
+            default = field_default(f)
+            for text in _wrap(str(f.metadata.get("help", "")).strip()):
+                lines.append(f"# {text}")
+            if default is None:
+                lines.append(f"# {f.name} = (unset)")
+            else:
+                lines.append(f"{'# ' if off else ''}{f.name} = {_toml_value(default)}")
+    return "\n".join(lines) + "\n"
+
+
+def _field_type(cls: type, name: str) -> Any:
+    tp = typing.get_type_hints(cls)[name]
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    return args[0] if len(args) == 1 else tp
+
+
+def _wrap(text: str, width: int = 98) -> list[str]:
+    import textwrap
+
+    return textwrap.wrap(text, width) or [""]

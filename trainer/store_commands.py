@@ -59,7 +59,7 @@ def add_rescore_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def cmd_rescore(a: argparse.Namespace) -> None:
-    from rolloutstore import RolloutStore
+    from rolloutstore.cli.base import open_store
     from rolloutstore.options import parse_scalar
 
     options = {}
@@ -68,7 +68,7 @@ def cmd_rescore(a: argparse.Namespace) -> None:
         if not sep or not key:
             raise RescoreError(f"--task-option takes KEY=VALUE, got {opt!r}")
         options[key.replace("-", "_")] = parse_scalar(value)
-    r = RolloutStore.open(a.store, create=False).rescore(
+    r = open_store(a.store).rescore(  # a run folder names its store
         task_scorer(a.task, options, a.advantage_mode),
         where=a.where,
         params=[parse_scalar(p) for p in a.param],

@@ -81,8 +81,22 @@ def add_debug_flag(parser: argparse.ArgumentParser, commands) -> None:
                          help="show tracebacks of errors")  # fmt: skip
 
 
+def store_path(path: str) -> str:
+    """``path``, or the store inside it when it is a training run's folder (``RUN/store``)
+    and no store itself: said in one line on stderr."""
+    from rolloutstore.store.layout import ROLLOUTS, exists, is_local
+
+    if not is_local(path) or not os.path.isdir(path) or exists(os.path.join(path, ROLLOUTS), None):
+        return path
+    inner = os.path.join(path, "store")
+    if not exists(os.path.join(inner, ROLLOUTS), None):
+        return path
+    print(f"{path} is a run folder: using its store {inner}", file=sys.stderr)
+    return inner
+
+
 def open_store(path: str, *, create: bool = False):
-    """The store a command names (``RolloutStore.open``)."""
+    """The store a command names (``RolloutStore.open``); a run folder names its store."""
     from rolloutstore.facade import RolloutStore
 
-    return RolloutStore.open(path, create=create)
+    return RolloutStore.open(store_path(path), create=create)

@@ -10,6 +10,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from rolloutstore.cli.base import store_path
 from rolloutstore.errors import UsageError
 
 
@@ -39,7 +40,7 @@ def cmd_ingest(a, transformer: Callable[[Any], Any] | None = None) -> None:
 
     importer = _text_importer(a, transformer)
     store, results = ingest_files(
-        a.store,
+        store_path(a.store),
         a.files,
         rename=rename,
         progress=not a.quiet,

@@ -95,6 +95,7 @@ def cmd_export(a) -> None:
         progress=not a.quiet,
         timeout=a.timeout,
         tokenizer=a.tokenizer,
+        keep_duplicates=a.keep_duplicates,
     )
     print(f"exported {r.rows} rows ({a.as_}, {fmt}) to {r.path}")
 
@@ -103,8 +104,14 @@ def cmd_sample(a) -> None:
     from rolloutstore.options import dataclass_from_args
     from rolloutstore.replay import ReplayConfig, Selector
 
+    params = [_param(p) for p in a.param]
+    if a.where_params is not None:
+        if params:
+            raise UsageError("give the --where values as --param V (once per ?), not both ways")
+        print("warning: --where-params is deprecated; use --param V, once per ?", file=sys.stderr)
+        params = [_param(p) for p in a.where_params]
     try:
-        cfg = dataclass_from_args(ReplayConfig, a)
+        cfg = dataclass_from_args(ReplayConfig, a, where_params=tuple(params))
     except (ValueError, TypeError) as exc:  # ReplayConfig names the offending option
         raise UsageError(str(exc)) from exc
     store = open_store(a.store)
@@ -217,7 +224,14 @@ def _add_query_commands(sub) -> None:
         "--min-reward",
         type=float,
         default=None,
-        help="sft: every completion with reward >= R (default: the best per prompt)",
+        help="sft: every completion with reward >= R (default: each prompt's best "
+        "completions, when their reward is > 0)",
+    )
+    p.add_argument(
+        "--keep-duplicates",
+        action="store_true",
+        help="sft: keep repeated (prompt, completion) pairs (default: each pair once, its "
+        "highest reward)",
     )
     p.add_argument(
         "--min-margin",
@@ -248,7 +262,15 @@ def _add_query_commands(sub) -> None:
     from rolloutstore.options import add_dataclass_args
     from rolloutstore.replay import ReplayConfig
 
-    add_dataclass_args(p, ReplayConfig)
+    add_dataclass_args(p, ReplayConfig, skip=("where_params",))
+    p.add_argument("--param", action="append", default=[], help="value for the next ? in --where")
+    p.add_argument(
+        "--where-params",
+        nargs="+",
+        default=None,
+        metavar="V",
+        help="deprecated: the --where values in one list; use --param V per ? (as sql, export)",
+    )
     p.set_defaults(func=cmd_sample)
 
 

@@ -32,9 +32,12 @@ no text at all (token ids only, e.g. proxy rollouts) export without the text col
 ``columns`` names them.
 
 ``sft``
-    per ``prompt_id``, the completions with the highest reward (ties all kept);
-    with ``min_reward`` instead every completion with ``reward >= min_reward``.
-    Unscored rows (reward null) are skipped. Sorted by prompt_id, rollout_id.
+    per ``prompt_id``, the completions with the highest reward (ties all kept) when that
+    reward is above 0 (``SFT_FLOOR``: a best answer that scored 0 teaches nothing); with
+    ``min_reward`` instead every completion with ``reward >= min_reward``. Unscored rows
+    (reward null) are skipped; a (prompt, completion tokens) pair is kept once (the highest
+    reward, then the smallest rollout_id) unless ``keep_duplicates``. Sorted by prompt_id,
+    rollout_id.
 ``dpo``
     one pair per ``group_id``: chosen = highest reward, rejected = lowest reward
     (ties broken by the smallest rollout_id), kept when
@@ -76,7 +79,7 @@ import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from rolloutstore.errors import ExportError, MissingDependencyError, QueryError
+from rolloutstore.errors import EmptyExportError, ExportError, MissingDependencyError, QueryError
 from rolloutstore.io.outputs import (
     OutputTarget,
     check_output_path,
@@ -90,6 +93,8 @@ from rolloutstore.io.shapes import (
     SFT_COLUMNS,
     ExportShape,
     ShapedQuery,
+    empty_reason,
+    first_row,
     shape_query,
 )
 from rolloutstore.query.limits import limits
@@ -98,6 +103,7 @@ from rolloutstore.query.sql import check_where
 __all__ = [
     "DPO_COLUMNS",
     "SFT_COLUMNS",
+    "EmptyExportError",
     "ExportError",
     "ExportResult",
     "MissingDependencyError",
@@ -222,6 +228,7 @@ def export(
     progress: bool = True,
     timeout: float | None = None,
     tokenizer: str | os.PathLike | None = None,
+    keep_duplicates: bool = False,
 ) -> ExportResult:
     """Write ``store``'s rows (shaped by ``as_``) to ``out``; see the module docstring.
 
@@ -230,8 +237,10 @@ def export(
     names (.parquet, .jsonl, .jsonl.zst), else ``parquet``. A format that contradicts
     the extension is refused. ``min_reward`` applies to ``sft`` only,
     ``min_margin`` (default 0.5) to ``dpo`` only, ``tokenizer`` (a tokenizer folder, to
-    decode the turns of multi-turn rows) to ``messages`` only. Returns the rows written and
-    the path.
+    decode the turns of multi-turn rows) to ``messages`` only. ``sft`` drops repeated
+    (prompt, completion tokens) pairs unless ``keep_duplicates``. Returns the rows written and
+    the path. An export that would hold no row raises ``EmptyExportError`` (saying why) and
+    writes nothing.
     """
     path = check_output_path(out, what="export output")
     format = _resolve_format(path, format)
@@ -243,12 +252,20 @@ def export(
         raise QueryError(f"{len(params)} params given but no --where to bind them to")
     if tokenizer is not None and as_ != "messages":
         raise ExportError(f"--tokenizer applies to --as messages only, found --as {as_}")
+    if keep_duplicates and as_ != "sft":
+        raise ExportError(f"--keep-duplicates applies to --as sft only, found --as {as_}")
     if as_ == "messages":
         from rolloutstore.io.messages import messages_query
 
         shaped = messages_query(store, columns, where, params, tokenizer)
     else:
-        shaped = shape_query(store, as_, columns, where, params, min_reward, min_margin, timeout)
+        shaped = shape_query(
+            store, as_, columns, where, params, min_reward, min_margin, timeout, keep_duplicates
+        )
+    if first_row(store, shaped.count_query, shaped.args, timeout)[0] == 0:
+        raise EmptyExportError(
+            empty_reason(store, as_, where, params, min_reward, min_margin, timeout)
+        )
     created = _prepare_target(target, format)
     try:
         return ExportResult(_write(store, shaped, target, format, progress, timeout), path)

@@ -70,6 +70,11 @@ TEXT_SOURCES = {"prompt": "prompt_text", "completion": "completion_text",
                 "chosen": "completion_text", "rejected": "completion_text"}  # fmt: skip
 
 
+# sft without min_reward keeps each prompt's best completions only when their reward is above
+# this: a "best" answer that scored 0 is no demonstration.
+SFT_FLOOR = 0.0
+
+
 def quote(name: str) -> str:
     # Only ever called with names from the store schema or our fixed output columns.
     return '"' + name.replace('"', '""') + '"'
@@ -121,8 +126,10 @@ def build_query(
     where: str | None,
     min_reward: float | None,
     chat: bool = False,
+    keep_duplicates: bool = False,
 ) -> tuple[str, str]:
-    """(query, count_query); both take the where's params first, then the shape's."""
+    """(query, count_query); both take the where's params first, then the shape's (sft: the
+    floor of the best per prompt, ``SFT_FLOOR``, or ``min_reward``; dpo: the margin)."""
     filt = f"WHERE ({where})" if where is not None else ""
     base = f"SELECT * FROM rollouts {filt}"
     if shape == "rollouts":
@@ -142,16 +149,23 @@ def build_query(
         parts.append(f"r.rollout_id AS {IDS['completion']}")
         select = ", ".join(parts) + turns("r")
         select += ", " + _DONE_SQL.format(t="r", col=DONE["completion"]) if chat else ""
-        if min_reward is None:
-            body = (
-                f"WITH r AS ({base}), "
-                "best AS (SELECT prompt_id, max(reward) AS top FROM r "
-                "WHERE reward IS NOT NULL GROUP BY prompt_id) "
-                f"SELECT {select} FROM r JOIN best ON r.prompt_id = best.prompt_id "
-                "AND r.reward = best.top"
+        if min_reward is None:  # the best per prompt, if above the floor (the `?`)
+            kept = (
+                "best AS (SELECT prompt_id, max(reward) AS top FROM r0 "
+                "WHERE reward IS NOT NULL GROUP BY prompt_id), "
+                "k AS (SELECT r0.* FROM r0 JOIN best ON r0.prompt_id = best.prompt_id "
+                "AND r0.reward = best.top WHERE r0.reward > ?)"
             )
         else:
-            body = f"WITH r AS ({base}) SELECT {select} FROM r WHERE r.reward >= ?"
+            kept = "k AS (SELECT * FROM r0 WHERE reward >= ?)"
+        # One row per (prompt, completion tokens): the highest reward, then the smallest id.
+        dedup = (
+            ""
+            if keep_duplicates
+            else " QUALIFY row_number() OVER (PARTITION BY prompt_id, completion_ids "
+            "ORDER BY reward DESC, rollout_id) = 1"
+        )
+        body = f"WITH r0 AS ({base}), {kept}, r AS (SELECT * FROM k{dedup}) SELECT {select} FROM r"
         return body + " ORDER BY r.prompt_id, r.rollout_id", f"SELECT count(*) FROM ({body})"
     select = ", ".join(
         [
@@ -189,7 +203,7 @@ def row_kinds(store: RolloutLog, where: str | None, params, timeout) -> tuple[bo
     """(chat, token_only) of the (filtered) rows: every row is conversational (its metadata
     holds prompt turns), or no row has a prompt_text or completion_text (e.g. proxy rows)."""
     filt = f"WHERE ({where})" if where is not None else ""
-    n, chat, text = _first_row(
+    n, chat, text = first_row(
         store,
         "SELECT count(*), "
         "count(*) FILTER (WHERE json_type(metadata, '$.messages') = 'ARRAY'), "
@@ -201,7 +215,7 @@ def row_kinds(store: RolloutLog, where: str | None, params, timeout) -> tuple[bo
     return n > 0 and n == chat, n > 0 and text == 0
 
 
-def _first_row(store: RolloutLog, sql: str, params, timeout: float | None) -> tuple:
+def first_row(store: RolloutLog, sql: str, params, timeout: float | None) -> tuple:
     """The first row of a check query on the sandboxed connection (QueryError on failure)."""
     con = store.connect()
     try:
@@ -211,6 +225,63 @@ def _first_row(store: RolloutLog, sql: str, params, timeout: float | None) -> tu
         raise QueryError(f"export query failed: {type(exc).__name__}: {exc}") from exc
     finally:
         con.close()
+
+
+def empty_reason(
+    store: RolloutLog,
+    shape: ExportShape,
+    where: str | None,
+    params,
+    min_reward: float | None,
+    min_margin: float | None,
+    timeout: float | None,
+) -> str:
+    """Why an export of ``shape`` holds no row, in one line, with the option that would
+    change it."""
+    filt = f"WHERE ({where})" if where is not None else ""
+    rows = "rows matching --where" if where is not None else "rows"
+    n, scored, top = first_row(
+        store, f"SELECT count(*), count(reward), max(reward) FROM rollouts {filt}", params, timeout
+    )
+    head = f"nothing to export (--as {shape}), no file written: "
+    if n == 0:
+        return head + (
+            "no row matches --where; relax it" if where is not None else "the store has no rows"
+        )
+    if shape in ("rollouts", "messages"):
+        return head + f"no rows among the {n} {rows}"
+    if scored == 0:
+        return (
+            head + f"none of the {n} {rows} has a reward (score them: rolloutstore-train rescore)"
+        )
+    if shape == "sft":
+        if min_reward is None:
+            return head + (
+                f"it keeps each prompt's best completions when their reward is > {SFT_FLOOR:g}, "
+                f"and the best reward of the {scored} scored {rows} is {top:g}; pass "
+                "--min-reward R to keep every completion with reward >= R"
+            )
+        return head + (
+            f"no completion has reward >= --min-reward {min_reward:g} (the best of the "
+            f"{scored} scored {rows} is {top:g}); lower --min-reward"
+        )
+    groups, margin = first_row(
+        store,
+        "SELECT count(*), max(m) FROM (SELECT max(reward)::DOUBLE - min(reward)::DOUBLE AS m "
+        f"FROM rollouts {filt} {'AND' if filt else 'WHERE'} reward IS NOT NULL "
+        "GROUP BY group_id HAVING count(*) >= 2)",
+        params,
+        timeout,
+    )
+    if not groups:
+        return head + (
+            f"no group has two scored rows (of {scored} scored {rows}); dpo pairs the best and "
+            "worst completion of one group"
+        )
+    return head + (
+        f"the largest reward margin of the {groups} groups with two or more scored rows is "
+        f"{margin:g}, under --min-margin {min_margin:g}; lower --min-margin"
+    )
 
 
 def _content(v: Any) -> str:
@@ -309,7 +380,7 @@ def refuse_trajectories(
     refused, naming one, rather than exported with its tool tokens as the model's."""
     filt = f"AND ({where})" if where is not None else ""
     kept = "json_type(metadata, '$.completion_messages') = 'ARRAY'" if chat else "false"
-    n, rid = _first_row(
+    n, rid = first_row(
         store,
         f"SELECT count(*), min(rollout_id) FROM rollouts WHERE num_turns > 1 "
         f"AND NOT ({kept}) {filt}",
@@ -349,6 +420,7 @@ def shape_query(
     min_reward: float | None,
     min_margin: float | None,
     timeout: float | None,
+    keep_duplicates: bool = False,
 ) -> ShapedQuery:
     """The query and output schema of shape ``as_`` over the rows ``where`` keeps (checked
     already); ``columns`` are checked against the shape's (``messages`` needs chat rows)."""
@@ -376,10 +448,10 @@ def shape_query(
             "without them"
         )
     schema = output_schema(store.schema, as_, cols, chat)
-    query, count_query = build_query(as_, cols, where, min_reward, chat)
+    query, count_query = build_query(as_, cols, where, min_reward, chat, keep_duplicates)
     args = list(params or [])
-    if as_ == "sft" and min_reward is not None:
-        args.append(min_reward)
+    if as_ == "sft":
+        args.append(SFT_FLOOR if min_reward is None else min_reward)
     elif as_ == "dpo":
         args.append(min_margin)
     shape = chat_batch if chat else text_batch

@@ -28,7 +28,7 @@ PACKED_KEYS = ("cu_seqlens",)  # (B+1,): sequence boundaries of a packed row
 # Per batch: counts, ids (lists, one per sequence) and the draw's provenance.
 BATCH_INFO_KEYS = (
     "num_tokens", "num_loss_tokens", "rollout_ids", "run_ids", "logprobs_mode", "step",
-    "learner_version", "store_version",
+    "learner_version", "store_version", "no_embedding",
 )  # fmt: skip
 # A micro-batch (``micro_batch_tokens``) also carries its whole step's loss tokens and sequences.
 MICRO_BATCH_KEYS = ("step_loss_tokens", "step_sequences")
@@ -94,6 +94,8 @@ def collate(rows: pa.Table, sel: Selection, idx: np.ndarray, *, pack: bool) -> d
         step=sel.step,
         learner_version=sel.learner_version,
         store_version=sel.store_version,
+        # The whole step's count (every rank's share), None unless diversity="embedding".
+        no_embedding=sel.no_embedding,
     )
     return out
 

@@ -46,8 +46,12 @@ def draw(
     embeddings,
     prompts=None,
     fresh: np.ndarray | None = None,
+    has_embedding: np.ndarray | None = None,
 ):
-    """(indices into ``cand``, importance weights); ``fresh`` marks the fresh rows of a mix."""
+    """(indices into ``cand``, importance weights); ``fresh`` marks the fresh rows of a mix;
+    ``has_embedding`` the rows embedding diversity can place (default: all).
+
+    Without ``replacement`` no row is returned twice."""
     n = cand.num_rows
     prompts = codes(cand["prompt_id"]) if prompts is None else prompts
     reward = cand["reward"].to_numpy(zero_copy_only=False).astype(np.float64)
@@ -59,7 +63,9 @@ def draw(
     logp = np.zeros(n)
     if cfg.priority == "advantage":
         logp = cfg.alpha * np.log(np.abs(adv) + cfg.priority_eps)
-    side = _Side(cand, cfg, rng, embeddings, prompts, reward, logp, {})
+    if has_embedding is None:
+        has_embedding = np.ones(n, bool)
+    side = _Side(cand, cfg, rng, embeddings, prompts, reward, logp, {}, has_embedding)
     if not mix:
         rows = np.arange(n)
         idx, n_pos = side.draw(rows, batch_size)
@@ -105,10 +111,11 @@ def _shares(rows_a: np.ndarray, rows_b: np.ndarray, f: float) -> tuple[np.ndarra
 class _Side:
     """The draw within one set of candidate rows (the whole buffer, or one side of a mix)."""
 
-    def __init__(self, cand, cfg, rng, embeddings, prompts, reward, logp, taken):
+    def __init__(self, cand, cfg, rng, embeddings, prompts, reward, logp, taken, has_embedding):
         self.cand, self.cfg, self.rng, self.embeddings = cand, cfg, rng, embeddings
         self.prompts, self.reward, self.logp = prompts, reward, logp
         self.taken = taken  # per-prompt picks, shared by every side of one batch
+        self.has_embedding = has_embedding
 
     def weights(self, rows: np.ndarray) -> np.ndarray:
         """Unnormalised importance weights (N P)^-beta of ``rows`` (1 for uniform priority)."""
@@ -147,9 +154,7 @@ class _Side:
         if cfg.diversity == "prompt":
             order = _prompt_round_robin(remaining, prompts, lp, rng)
         elif cfg.diversity == "embedding":
-            pool_n = min(len(remaining), cfg.diversity_pool * max(rest, 1))
-            pool = remaining[_gumbel_order(lp[remaining], rng)[:pool_n]]
-            order = pool[_farthest_point(self.embeddings(self.cand, rows[pool]), rest, rng)]
+            order = self._embedding_order(rows, remaining, lp, prompts, rest)
         elif cfg.replacement:
             p = probs[remaining] / probs[remaining].sum()
             order = rng.choice(remaining, size=rest * 4 + 16, p=p)
@@ -157,6 +162,22 @@ class _Side:
             order = remaining[_gumbel_order(lp[remaining], rng)]
         rest_idx = _take_in_order(order, rest, prompts, cap, self.taken)
         return rows[np.concatenate([chosen, rest_idx])].astype(np.int64), len(chosen)
+
+    def _embedding_order(self, rows, remaining, lp, prompts, rest) -> np.ndarray:
+        """Farthest-point order over a priority-drawn pool; the pool's rows without an
+        embedding (imported rows) cannot be placed, so they are drawn with prompt diversity
+        instead and interleaved at their share of the pool."""
+        cfg, rng = self.cfg, self.rng
+        pool_n = min(len(remaining), cfg.diversity_pool * max(rest, 1))
+        pool = remaining[_gumbel_order(lp[remaining], rng)[:pool_n]]
+        has = self.has_embedding[rows[pool]]
+        placed, unplaced = pool[has], pool[~has]
+        order = placed[_farthest_point(self.embeddings(self.cand, rows[placed]), rest, rng)]
+        if not len(unplaced):
+            return order
+        other = _prompt_round_robin(unplaced, prompts, lp, rng)
+        ka, kb = _shares(np.ones(len(order)), np.ones(len(other)), len(placed) / len(pool))
+        return np.concatenate([order, other])[np.argsort(np.concatenate([ka, kb]), kind="stable")]
 
 
 def fresh_mask(policy_version: np.ndarray, fresh_versions: int) -> np.ndarray:
@@ -203,10 +224,14 @@ def _farthest_point(x: np.ndarray, k: int, rng) -> np.ndarray:
     first = int(rng.integers(n))
     picked = [first]
     d = np.linalg.norm(x - x[first], axis=1)
+    # A picked row is never picked again, even when every row left lies at distance 0
+    # (identical embeddings): argmax over all-zero distances would return the first row.
+    d[first] = -np.inf
     for _ in range(k - 1):
         nxt = int(np.argmax(d))
         picked.append(nxt)
         d = np.minimum(d, np.linalg.norm(x - x[nxt], axis=1))
+        d[nxt] = -np.inf
     return np.asarray(picked, np.int64)
 
 

@@ -38,6 +38,9 @@ class Selection:
     # The batch_size asked for (None: a token budget only); len(self) may be smaller
     # when the buffer or per_prompt_cap cannot fill it (a ShortBatchWarning says why).
     requested: int | None = None
+    # diversity="embedding": how many of the rows had no embedding (drawn with prompt
+    # diversity instead, see MissingEmbeddingWarning); None under other diversity modes.
+    no_embedding: int | None = None
 
     def __len__(self) -> int:
         return len(self.rollout_ids)
@@ -53,6 +56,7 @@ def selection_of(
     store_version: int,
     step: int,
     requested: int | None,
+    no_embedding: int | None = None,
 ) -> Selection:
     """The Selection of rows ``idx`` of the candidates ``cand`` (the buffer drawn from) with
     their importance ``weights``; ``fresh``: the fresh mask of every candidate."""
@@ -77,4 +81,5 @@ def selection_of(
         reward_versions=pick["reward_version"].to_numpy().astype(np.int64),
         fresh=fresh[idx],
         requested=requested,
+        no_embedding=no_embedding,
     )

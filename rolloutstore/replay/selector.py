@@ -34,6 +34,12 @@ by group (a group is fresh if its newest row is). Importance weights correct onl
 the priority sampling within a side, ``w = (N_s P_s(i))^-beta`` normalised by the
 max over both sides, so uniform priority keeps w = 1: the mix, like
 ``positive_fraction``, is a deliberate target distribution, not a bias to undo.
+
+Without ``replacement`` a batch never holds a row twice, whatever the diversity mode.
+Embedding diversity (farthest-point over a priority-drawn pool) places only rows with an
+embedding; the pool's rows without one (imported rows) are drawn with prompt diversity and
+interleaved at their share of the pool; ``Selection.no_embedding`` counts them and the
+first such draw warns (``MissingEmbeddingWarning``).
 """
 
 from __future__ import annotations
@@ -46,7 +52,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute  # noqa: F401  (pa.compute)
 
-from rolloutstore.errors import EmptyBufferError, RewardVersionError, ShortBatchWarning
+from rolloutstore.errors import (
+    EmptyBufferError,
+    MissingEmbeddingWarning,
+    RewardVersionError,
+    ShortBatchWarning,
+)
 from rolloutstore.facade import RolloutStore
 from rolloutstore.query.sql import connect, run
 from rolloutstore.replay.config import SCALAR_COLUMNS, SELECT_COLUMNS, ReplayConfig
@@ -58,7 +69,14 @@ from rolloutstore.replay.uses import UseCounts
 from rolloutstore.retention.rescore import apply_rewards
 from rolloutstore.schema.compat import present, read_columns
 
-__all__ = ["EmptyBufferError", "RewardVersionError", "Selection", "Selector", "ShortBatchWarning"]
+__all__ = [
+    "EmptyBufferError",
+    "MissingEmbeddingWarning",
+    "RewardVersionError",
+    "Selection",
+    "Selector",
+    "ShortBatchWarning",
+]
 
 
 @dataclass
@@ -103,6 +121,7 @@ class Selector:
         self._last_sql: str | None = None
         self._last_filter: str | None = None
         self._rewards = RewardOverlay()
+        self._warned_no_embedding = False
 
     def _sql(self, tables: dict[str, Any], query: str, params: list | None = None) -> pa.Table:
         """Run ``query`` on this selector's one DuckDB connection with ``tables`` registered."""
@@ -327,6 +346,7 @@ class Selector:
                 "or relax window/max_staleness/max_uses/where"
             )
         idx, weights, fresh = self._draw(cand, batch_size, max_tokens, step)
+        no_embedding = self._no_embedding(cand, idx)
         sel = selection_of(
             cand,
             idx,
@@ -336,6 +356,7 @@ class Selector:
             store_version=store_version,
             step=step,
             requested=batch_size,
+            no_embedding=no_embedding,
         )
         self._uses.add_own(sel.rollout_ids)
         if self.record_usage:
@@ -356,10 +377,18 @@ class Selector:
                 cand,
                 codes(cand["prompt_id"]),
                 fresh_mask(pv_all, self.config.fresh_versions),
+                self._has_embedding(cand),
             )
-        _, prompts, fresh = self._codes_cache
+        _, prompts, fresh, has_embedding = self._codes_cache
         idx, weights = draw(
-            cand, want, self.config, rng, self._embeddings, prompts=prompts, fresh=fresh
+            cand,
+            want,
+            self.config,
+            rng,
+            self._embeddings,
+            prompts=prompts,
+            fresh=fresh,
+            has_embedding=has_embedding,
         )
         if batch_size is not None and len(idx) < batch_size and not self.config.whole_groups:
             warnings.warn(
@@ -399,6 +428,31 @@ class Selector:
         con, self._con = self._con, None
         if con is not None:
             con.close()
+
+    def _has_embedding(self, cand: pa.Table) -> np.ndarray | None:
+        """Per candidate: does it carry an embedding (None unless embedding diversity)."""
+        if self.config.diversity != "embedding":
+            return None
+        return ~cand["embedding"].is_null().to_numpy(zero_copy_only=False)
+
+    def _no_embedding(self, cand: pa.Table, idx: np.ndarray) -> int | None:
+        """How many drawn rows had no embedding (None unless embedding diversity); warns
+        once per selector when any had none."""
+        has = self._codes_cache[3] if self._codes_cache is not None else None
+        if has is None:
+            return None
+        n = int((~has[idx]).sum())
+        if n and not self._warned_no_embedding:
+            self._warned_no_embedding = True
+            warnings.warn(
+                f"diversity='embedding': {n} of the {len(idx)} rows drawn (and "
+                f"{int((~has).sum())} of the {len(has)} eligible rows) have no embedding "
+                "(imported rows carry none), so they were drawn with prompt diversity instead; "
+                "Selection.no_embedding (the train record's no_embedding) counts them each step",
+                MissingEmbeddingWarning,
+                stacklevel=3,
+            )
+        return n
 
     def _embeddings(self, cand: pa.Table, idx: np.ndarray) -> np.ndarray:
         emb = cand["embedding"].take(pa.array(idx, pa.int64()))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from datetime import UTC, datetime
 
@@ -18,7 +19,7 @@ from hypothesis import strategies as st
 
 from rolloutstore import RolloutStore
 from rolloutstore.cli import main
-from rolloutstore.errors import QueryError, RolloutStoreError
+from rolloutstore.errors import EmptyExportError, QueryError, RolloutStoreError
 from rolloutstore.io import export as export_mod
 from rolloutstore.io.export import (
     DPO_COLUMNS,
@@ -181,23 +182,72 @@ def test_columns_subset_in_given_order(tmp_path, scored):
 
 # -- sft / dpo ------------------------------------------------------------------------------
 @pytest.mark.parametrize(
-    ("min_reward", "expected"),
+    ("min_reward", "keep_duplicates", "expected"),
     [
-        (None, ["a1-hi0", "a1-hi1", "b1-hi", "d1-only"]),  # ties at the per-prompt max kept
-        (0.5, ["a1-hi0", "a1-hi1", "a2-hi", "a2-lo", "b1-hi", "d1-only"]),
-        (2.0, []),
+        # ties at the per-prompt max kept; a1-hi0 and a1-hi1 are the same (prompt, completion)
+        (None, True, ["a1-hi0", "a1-hi1", "b1-hi", "d1-only"]),
+        (None, False, ["a1-hi0", "b1-hi", "d1-only"]),  # each pair once: the smallest id
+        (0.5, True, ["a1-hi0", "a1-hi1", "a2-hi", "a2-lo", "b1-hi", "d1-only"]),
+        (0.5, False, ["a1-hi0", "a2-hi", "b1-hi", "d1-only"]),  # a2-lo repeats a2-hi (0.7)
     ],
 )
-def test_sft(tmp_path, scored, min_reward, expected):
+def test_sft(tmp_path, scored, min_reward, keep_duplicates, expected):
     out = tmp_path / "sft.parquet"
-    res = scored.export(out, as_="sft", min_reward=min_reward, progress=False)
+    res = scored.export(
+        out, as_="sft", min_reward=min_reward, keep_duplicates=keep_duplicates, progress=False
+    )
     t = pq.read_table(out)
     assert t.column_names == list(SFT_COLUMNS)
     assert res.rows == t.num_rows == len(expected)
     assert sorted(t["rollout_id"].to_pylist()) == expected
-    if expected:
-        assert t.schema.field("completion_ids").type == pa.list_(pa.int32())
-        assert t["prompt"][0].as_py().startswith("p[")
+    assert t.schema.field("completion_ids").type == pa.list_(pa.int32())
+    assert t["prompt"][0].as_py().startswith("p[")
+
+
+def test_sft_default_drops_prompts_whose_best_reward_is_zero(tmp_path):
+    s = RolloutStore.open(tmp_path / "s", embedding_dim=EMB)
+    rows = [
+        _row([1], 0.0, "z1", "z-lo0", "a"),
+        _row([1], 0.0, "z1", "z-lo1", "b"),  # prompt [1]: best 0, no demonstration
+        _row([2], 1.0, "w1", "w-hi", "c"),
+        _row([2], 0.0, "w1", "w-lo", "d"),
+    ]
+    for i, r in enumerate(rows):
+        r["completion_ids"] = [i]  # four distinct completions
+    s.append(rows)
+    s.export(tmp_path / "sft.parquet", as_="sft", progress=False)
+    assert pq.read_table(tmp_path / "sft.parquet")["rollout_id"].to_pylist() == ["w-hi"]
+    s.export(tmp_path / "all.parquet", as_="sft", min_reward=0.0, progress=False)
+    assert pq.read_table(tmp_path / "all.parquet").num_rows == 4
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "reason"),
+    [
+        ({"as_": "sft", "min_reward": 2.0}, "no completion has reward >= --min-reward 2"),
+        ({"as_": "sft", "where": "reward < ?", "params": [0.1]}, "best reward of the 1 scored"),
+        ({"as_": "dpo", "min_margin": 1.5}, "under --min-margin 1.5"),
+        ({"as_": "rollouts", "where": "reward > ?", "params": [5]}, "no row matches --where"),
+    ],
+)
+def test_empty_export_is_refused_with_the_reason_and_writes_nothing(
+    tmp_path, scored, kwargs, reason, capsys
+):
+    out = tmp_path / "o.jsonl"
+    with pytest.raises(EmptyExportError, match=re.escape(reason)):
+        scored.export(out, progress=False, **kwargs)
+    assert not out.exists() and not [p for p in os.listdir(tmp_path) if p.startswith(".")]
+    args = ["export", scored.uri, str(out), "-q", "--as", kwargs["as_"]]
+    if "min_reward" in kwargs:
+        args += ["--min-reward", str(kwargs["min_reward"])]
+    if "min_margin" in kwargs:
+        args += ["--min-margin", str(kwargs["min_margin"])]
+    if "where" in kwargs:
+        args += ["--where", kwargs["where"], "--param", str(kwargs["params"][0])]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: nothing to export") and reason in err
+    assert not out.exists()
 
 
 @pytest.mark.parametrize(
@@ -444,5 +494,5 @@ def test_progress_bar_counts_rows(tmp_path, scored, monkeypatch):
             super().close()
 
     monkeypatch.setattr(tqdm.auto, "tqdm", Recorder)
-    scored.export(tmp_path / "o.parquet", as_="sft", progress=True)
+    scored.export(tmp_path / "o.parquet", as_="sft", keep_duplicates=True, progress=True)
     assert bars[0] == ("export sft", 4, 4, False)  # tqdm may close twice

@@ -313,6 +313,9 @@ def _sleep(seconds: float) -> float:
 def _batch_metrics(batch: dict[str, Any], learner_version: int) -> dict[str, Any]:
     """What a train record says of its batch: reward, staleness, policy versions drawn."""
     stale = batch["staleness"].numpy()
+    extra = {}
+    if batch.get("no_embedding") is not None:  # diversity="embedding": rows it fell back on
+        extra["no_embedding"] = int(batch["no_embedding"])
     return {
         "reward": float(batch["rewards"].mean()),
         "learner_version": learner_version,
@@ -321,6 +324,7 @@ def _batch_metrics(batch: dict[str, Any], learner_version: int) -> dict[str, Any
         "staleness_mean": float(stale.mean()),
         "policy_versions": sorted({int(v) for v in batch["policy_version"].numpy()}),
         "store_version": int(batch["store_version"]),
+        **extra,
     }
 
 
@@ -333,14 +337,19 @@ class _Generated:
         self.version: int | None = None
         self.totals = {"generated_rollouts": 0, "generated_tokens": 0}
 
-    def read(self) -> dict[str, int]:
+    def read(self) -> dict[str, Any]:
+        """The totals, and ``policy_reward``: the mean reward of the newest policy version's
+        rollouts (the actors' newest rounds), the policy's own beside the replayed batch's."""
         version = self.store.version
         if version != self.version:
             row = self.store.sql(
-                "SELECT count(*) AS n, coalesce(sum(num_model_tokens), 0) AS t "
-                "FROM rollouts WHERE run_id = ?",
-                [self.run_id],
+                "SELECT count(*) AS n, coalesce(sum(num_model_tokens), 0) AS t, "
+                "avg(reward) FILTER (WHERE policy_version = (SELECT max(policy_version) "
+                "FROM rollouts WHERE run_id = ?)) AS r FROM rollouts WHERE run_id = ?",
+                [self.run_id, self.run_id],
             ).to_pylist()[0]
             self.version = version
             self.totals = {"generated_rollouts": int(row["n"]), "generated_tokens": int(row["t"])}
+            if row["r"] is not None:
+                self.totals["policy_reward"] = float(row["r"])
         return dict(self.totals)

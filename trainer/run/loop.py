@@ -5,7 +5,8 @@
         before_step: sync: a generation round when one is due
                      async: the actors checked, then a wait for run.min_rows eligible rows
         one learner step on the next batch the loader draws
-        its train record -> metrics.jsonl, the progress bar
+        its train record -> metrics.jsonl, the progress bar (the replayed batch's reward and
+                            the policy's own: policy_reward, its newest round's mean reward)
         an evaluation every run.eval_every steps and at the end
         a checkpoint every run.checkpoint_every steps and at the end
     finish: sync: the final weights published (async publishes after every step)
@@ -33,6 +34,17 @@ if TYPE_CHECKING:
     from trainer.algo.learner import Learner
     from trainer.config import TrainConfig
     from trainer.run.metrics import Metrics
+
+
+def postfix(m: dict[str, Any]) -> dict[str, str]:
+    """The progress bar's postfix from a train record: the replayed batch's reward beside the
+    policy's own (its newest generation round's mean reward; replay can keep the first high
+    while the policy scores near 0), and the loss."""
+    out = {"replayed": f"{m['reward']:.2f}"}
+    if m.get("policy_reward") is not None:
+        out["policy"] = f"{m['policy_reward']:.2f}"
+    out["loss"] = f"{m['loss']:.3f}"
+    return out
 
 
 def due(step: int, every: int, last: bool) -> bool:
@@ -82,7 +94,7 @@ class Loop:
                     self.metrics.log("train", self.step, m)
                 crash_at(f"step:{self.step}")
                 self.bar.update(1)
-                self.bar.set_postfix(reward=f"{m['reward']:.2f}", loss=f"{m['loss']:.3f}")
+                self.bar.set_postfix(postfix(m))
                 if due(self.step, r.eval_every, self.done()):
                     self._evaluate(first=False)
                 if due(self.step, r.checkpoint_every, self.done()):

@@ -3,7 +3,9 @@
     rolloutstore-train plot RUN_DIR          # writes RUN_DIR/plots/*.png
 
 Reads ``RUN_DIR/metrics.jsonl`` (one JSON object per event, ``kind`` = train,
-generate, eval or control). Runs with the replay-ratio controller (``[replay.control]``) also
+generate, eval or control). ``reward.png`` draws the replayed batch's reward beside the
+policy's own (each generation round's mean reward, from the ``generate`` records) and the
+held-out reward. Runs with the replay-ratio controller (``[replay.control]``) also
 get ``control.png``: updates per round and fresh_fraction, and the inputs of each decision,
 against step. Needs matplotlib (the ``plot`` extra; in ``dev`` too).
 """
@@ -23,6 +25,27 @@ def load_metrics(run_dir: str | Path) -> dict[str, list[dict]]:
     return by_kind
 
 
+def generation_rounds(m: dict[str, list[dict]]) -> list[dict]:
+    """The ``generate`` records (one per round: its mean ``reward``, the policy's own), each
+    with ``generated_tokens``, the tokens generated up to and including it."""
+    out, total = [], 0
+    for r in m.get("generate", []):
+        total += r.get("tokens", 0)
+        out.append({**r, "generated_tokens": total})
+    return out
+
+
+def reward_lines(m: dict[str, list[dict]]) -> list[tuple[str, list[dict], str]]:
+    """reward.png's lines: (label, records, key). The replayed batch's reward can stay high
+    while the policy itself scores near 0, so the policy's own reward (each generation
+    round's mean) is drawn beside it, and the held-out reward."""
+    return [
+        ("batch reward (replayed)", m.get("train", []), "reward"),
+        ("policy's own reward (each generation round)", generation_rounds(m), "reward"),
+        ("held-out reward", m.get("eval", []), "reward"),
+    ]
+
+
 def plot_run(run_dir: str | Path) -> list[Path]:
     """Write the PNGs; return their paths."""
     try:
@@ -33,14 +56,11 @@ def plot_run(run_dir: str | Path) -> list[Path]:
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise ImportError("plotting needs matplotlib: pip install 'rolloutstore[plot]'") from exc
     m = load_metrics(run_dir)
-    train, evals = m.get("train", []), m.get("eval", [])
+    train = m.get("train", [])
     out_dir = Path(run_dir) / "plots"
     out_dir.mkdir(exist_ok=True)
     series = {
-        "reward": [
-            ("batch reward (replayed)", train, "reward"),
-            ("held-out reward", evals, "reward"),
-        ],
+        "reward": reward_lines(m),
         "entropy": [("entropy", train, "entropy")],
         "staleness": [("mean staleness of the batch", train, "staleness")],
     }
@@ -52,10 +72,14 @@ def plot_run(run_dir: str | Path) -> list[Path]:
             (axes[1], "generated_tokens", "generated tokens"),
         ):
             for label, recs, key in lines:
-                pts = [(r[xkey], r[key]) for r in recs if key in r and xkey in r]
+                pts = [
+                    (r[xkey], r[key])
+                    for r in recs
+                    if r.get(key) is not None and r.get(xkey) is not None
+                ]
                 if pts:
                     xs, ys = zip(*pts)
-                    ax.plot(xs, ys, marker="o" if recs is evals else None, ms=3, label=label)
+                    ax.plot(xs, ys, marker=None if recs is train else "o", ms=3, label=label)
             ax.set_xlabel(xlabel)
             ax.set_ylabel(name)
             ax.grid(alpha=0.3)

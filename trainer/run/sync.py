@@ -166,6 +166,8 @@ class SyncLoop(Loop):
             )  # fmt: skip
             self.metrics = Metrics(run_dir)
         self.last_eval = self.first_eval
+        # The newest round's mean reward: the policy's own, beside the replayed batch's.
+        self.policy_reward: float | None = None
 
     # -- state -------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -237,6 +239,7 @@ class SyncLoop(Loop):
                 self.cfg, self.store, self.task, self.generator, self.learner.policy_version,
                 self.step, self.rnd, self.run_id, self.start_ms, self.totals, self.metrics,
             )  # fmt: skip
+            self.policy_reward = summary.mean_reward
             if ctl is not None:
                 ctl.observe_round_reward(summary.mean_reward)
         self.d.barrier()  # every rank draws from the store version with this round in it
@@ -262,6 +265,10 @@ class SyncLoop(Loop):
             learner_ranks=self.d.world_size,
             **self.totals,
         )
+        if self.policy_reward is not None:  # None until this process generated a round
+            m["policy_reward"] = float(self.policy_reward)
+        if batch.get("no_embedding") is not None:  # diversity="embedding": rows it fell back on
+            m["no_embedding"] = int(batch["no_embedding"])
         if ctl is not None:
             ctl.observe_step(m)
             m.update(updates_per_round=ctl.updates, fresh_fraction=ctl.fresh)
