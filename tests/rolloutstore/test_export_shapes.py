@@ -177,7 +177,7 @@ def test_messages_too_deep_to_read_are_refused_naming_rollout_and_field():
 @pytest.mark.parametrize("shape", ["sft", "dpo"])
 def test_sft_and_dpo_refuse_null_text_naming_the_rollout(tmp_path, capsys, shape, field):
     store = RolloutStore.open(tmp_path / "s")
-    rows = [_row("a", 1.0, "p", "good", "{}"), _row("b", 0.0, "p", "bad", "{}")]
+    rows = [_row("a", 1.0, "p", "good", "{}"), _row("b", 0.5, "p", "bad", "{}")]
     rows[0][field] = None
     store.append(rows)
     out = tmp_path / "new" / "o.jsonl"
@@ -188,7 +188,9 @@ def test_sft_and_dpo_refuse_null_text_naming_the_rollout(tmp_path, capsys, shape
     assert not (tmp_path / "new").exists()  # nothing written, not even the folder
     # The rows that have their text export; so do columns that hold no text.
     where = f"{field} IS NOT NULL"
-    assert main(["export", store.uri, str(out), "--as", shape, "--where", where, "-q"]) == 0
+    # dpo: one row left, no pair: an empty export is refused (exit 2), not written
+    expect = 0 if shape == "sft" else 2
+    assert main(["export", store.uri, str(out), "--as", shape, "--where", where, "-q"]) == expect
     cols = "prompt_ids,completion_ids" if shape == "sft" else "prompt_ids,chosen_ids"
     assert main(["export", store.uri, str(out), "--as", shape, "--columns", cols, "-q"]) == 0
     assert len(out.read_text().splitlines()) == 1
