@@ -54,13 +54,14 @@ format: $(STAMP)
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
-# The figures of docs/benchmarks.md and docs/scaling.md (about 30 minutes on 2 cores;
-# bench_generate and bench_vllm_update need vLLM: `make vllm`).
-bench: $(STAMP)
+# The figures of docs/benchmarks.md and docs/scaling.md (about 45 minutes on 2 cores;
+# bench_generate, bench_vllm_update and bench_logprob_gap need vLLM: `make vllm`).
+bench: $(STAMP) smollm2
 	$(PY) tools/bench_store.py
 	$(PY) tools/bench_replay.py
 	$(PY) tools/bench_generate.py
 	$(PY) tools/bench_vllm_update.py
+	$(PY) tools/bench_logprob_gap.py
 	$(PY) tools/bench_retention.py
 	$(PY) tools/bench_scaling.py
 
