@@ -54,7 +54,8 @@ format: $(STAMP)
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
-# The figures of docs/benchmarks.md and docs/scaling.md (about 45 minutes on 2 cores;
+# The figures of docs/benchmarks.md and docs/scaling.md (about 30 minutes on 2 cores, plus ~20
+# for bench_logprob_gap on the 30-layer SmolLM2;
 # bench_generate, bench_vllm_update and bench_logprob_gap need vLLM: `make vllm`).
 bench: $(STAMP) smollm2
 	$(PY) tools/bench_store.py
