@@ -11,7 +11,7 @@ Checked: the stored prompts are the chat template's text and ids with both backe
 behaviour log-probs equal the learner's recomputation at staleness 0 (float32: ~1e-5; bfloat16:
 the gap docs/benchmarks.md reports, bounded here); the in-place update reached the engine; the
 resumed run ends with the uninterrupted run's bytes; and the rollouts export as TRL
-conversations. 10.5 minutes on 2 cores shared with other jobs (load 5-7; most of it the runs:
+conversations. 10.5-12.5 minutes on 2 cores shared with other jobs (load 5-8; most of it the runs:
 vLLM's start, the 30-layer learner, and transformers decoding at a few tokens/s under that load).
 """
 
