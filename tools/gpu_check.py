@@ -31,9 +31,10 @@ from pathlib import Path
 
 import torch
 
-# A generous bound for bf16: the gap of a correct setup is ~1e-3 mean (docs/benchmarks.md);
-# stale weights or a stale KV cache are off by ~1 nat.
-THRESHOLDS = {"mean_gap": 0.05, "max_gap_bf16": 1.0, "max_gap_float32": 1e-3}
+# Bounds for bf16: the mean gap of a correct setup is ~1e-3 on a tiny random model and ~0.03-0.05
+# on a trained one (SmolLM2-135M, vocabulary 49k: docs/benchmarks.md); stale weights or a stale
+# KV cache are off by ~1 nat.
+THRESHOLDS = {"mean_gap": 0.1, "max_gap_bf16": 1.0, "max_gap_float32": 1e-3}
 
 
 class _PeakMemory:

@@ -370,6 +370,11 @@ def test_math_run_stores_chat_rendered_prompts_and_reward_versions(tmp_path, mon
         info, meta = json.loads(row["reward_info"]), json.loads(row["metadata"])
         assert info["reward_fn"] == "math" and info["reward_fn_version"].startswith("math-verify/")
         assert meta["reward"] == {"name": "math", "version": info["reward_fn_version"]}
+        # The turns it was rendered from (what `export --as messages|sft` writes as the prompt).
+        assert meta["messages"] == [
+            {"role": "system", "content": system},
+            {"role": "user", "content": question},
+        ]
     # Re-scoring from the stored (rendered) prompt and answer reproduces every reward.
     task = TrainConfig.from_dict(data).task.build()
     res = store.rescore(task_scorer(task))

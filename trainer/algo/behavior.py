@@ -20,7 +20,14 @@ import torch
 from trainer.algo.batching import is_packed, num_sequences
 from trainer.errors import BehaviorPolicyError
 
-__all__ = ["REPRODUCIBLE_LOGPROBS_MODES", "batch_rows", "check_logprobs_modes", "sampling_kwargs"]
+__all__ = [
+    "REPRODUCIBLE_LOGPROBS_MODES",
+    "batch_rows",
+    "behavior_gaps",
+    "check_logprobs_modes",
+    "gap_summary",
+    "sampling_kwargs",
+]
 
 # How a row's behaviour log-probs may have been recorded for the learner to reproduce them: after
 # the sampler's temperature / top-k / top-p (None: not recorded, taken to be that), or
@@ -118,3 +125,46 @@ def sampling_kwargs(mb: dict[str, Any], default: tuple, device: Any) -> dict[str
     else:
         groups = per_seq[:, None].expand(len(rows), width)
     return {"groups": groups.to(device), "group_settings": settings}
+
+
+def behavior_gaps(model: Any, rows: list[dict[str, Any]], dtype: torch.dtype) -> torch.Tensor:
+    """Per-token |stored behaviour log-prob - the learner's recomputation| of generated ``rows``
+    (float32, completion tokens in order; ``inf`` where one side is ``-inf``: a top-p flip).
+
+    The recomputation is the learner's: ``model`` (float32 weights) under autocast in ``dtype``,
+    its LM head and processed softmax in float32 (:func:`trainer.algo.logprobs.sequence_logprobs`),
+    each row under its own temperature / top-k / top-p. With the generator at the same weights
+    (staleness 0) this is the train/inference mismatch; docs/benchmarks.md has it measured."""
+    from trainer.algo.logprobs import sequence_logprobs
+
+    device = next(model.parameters()).device
+    gaps = []
+    for r in rows:
+        n = len(r["completion_ids"])
+        if n == 0:
+            continue
+        ids = torch.tensor([list(r["prompt_ids"]) + list(r["completion_ids"])], device=device)
+        t, k, p = r.get("temperature", 1.0), r.get("top_k") or None, r.get("top_p", 1.0)
+        auto = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+        with torch.no_grad(), auto:
+            out = sequence_logprobs(model, ids, temperature=t, top_k=k, top_p=p if p < 1 else None)
+        lp = out.logprobs[0, -n:].float().cpu()
+        gaps.append((lp - torch.tensor(r["behavior_logprobs"], dtype=torch.float32)).abs())
+    return torch.cat(gaps) if gaps else torch.zeros(0)
+
+
+def gap_summary(gaps: torch.Tensor) -> dict[str, float]:
+    """``tokens``, ``mean``, ``p50``, ``p99`` and ``max`` of the finite gaps, and ``flips``
+    (tokens where one side is ``-inf``)."""
+    finite = gaps[torch.isfinite(gaps)].double()
+    if finite.numel() == 0:
+        return {"tokens": int(gaps.numel()), "mean": 0.0, "p50": 0.0, "p99": 0.0, "max": 0.0,
+                "flips": int(gaps.numel())}  # fmt: skip
+    return {
+        "tokens": int(gaps.numel()),
+        "mean": float(finite.mean()),
+        "p50": float(finite.quantile(0.5)),
+        "p99": float(finite.quantile(0.99)),
+        "max": float(finite.max()),
+        "flips": int((~torch.isfinite(gaps)).sum()),
+    }

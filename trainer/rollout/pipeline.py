@@ -475,6 +475,10 @@ def _build_rows(
 
 def _metadata(task: Task, prompt: Prompt) -> str:
     meta = {"answer": prompt.answer, "prompt_meta": prompt.meta}
+    if prompt.messages is not None:
+        # The chat turns the prompt was rendered from: `export --as messages|sft` writes
+        # them (not the template's text) as the conversation's prompt.
+        meta["messages"] = [dict(m) for m in prompt.messages]
     if getattr(task, "reward_spec", None) is not None:
         meta["reward"] = task.reward_spec  # which reward (and revision) scored the row
     return json.dumps(meta, sort_keys=True, default=str)

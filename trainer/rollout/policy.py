@@ -193,8 +193,10 @@ class VLLMPolicy:
     The first version starts the engine from its published folder (checked by
     verify_logprobs). Later versions are loaded into the running engine
     (VLLMGenerator.update_weights, see trainer/rollout/vllm_update.py), after which a few sampled
-    tokens' log-probs must match a teacher-forced recomputation of the new weights within
-    the engine's verify_tolerance (its dtype's: max gap in float32, clipped mean in bf16). An update that fails this check is logged and
+    tokens' log-probs (on the task's prompts, rendered as the run renders them) must match a
+    teacher-forced recomputation of the new weights within the engine's verify_tolerance (its
+    dtype's: max gap <= 1e-3 in float32, clipped mean gap <= 0.2 in bf16;
+    trainer/rollout/vllm_update.py says why). An update that fails this check is logged and
     the engine restarted from the folder, which is verified again; a mismatch there stops the
     actor. The engine takes its settings from ``[generation]`` (GenerationConfig.engine_options)
     and ``trust_remote_code`` (``[model].trust_remote_code``) from the caller.
@@ -238,7 +240,7 @@ class VLLMPolicy:
             u = self.gen.update_weights(
                 state,
                 policy_version=version,
-                verify_prompts=[p.prompt_text for p in task.make_prompts(2, seed=123_457)],
+                verify_prompts=verify_texts(self.gen, task, 2),
                 temperature=s.temperature,
                 top_p=s.top_p,
                 top_k=s.top_k,
@@ -287,6 +289,18 @@ class VLLMPolicy:
             self.gen = None
 
 
+def verify_texts(gen: Any, task: Task, prompts: int) -> list[str]:
+    """The verification prompts: ``prompts`` of the task's own, rendered as the run renders
+    them (its chat template mode, the generator's tokenizer), so that the check samples the
+    text the engine will be asked to continue."""
+    from trainer.tasks.chat import render_prompts
+
+    made = task.make_prompts(prompts, seed=123_457)
+    tokenizer = getattr(gen, "tokenizer", None)
+    mode = getattr(task, "chat_template", "auto") if tokenizer is not None else False
+    return [p.prompt_text for p in render_prompts(tokenizer, made, mode)]
+
+
 def verify_logprobs(
     gen: Any,
     folder: Path,
@@ -301,7 +315,7 @@ def verify_logprobs(
     from trainer.rollout.hf import logprob_gaps
 
     g = generation
-    texts = [p.prompt_text for p in task.make_prompts(prompts, seed=123_457)]
+    texts = verify_texts(gen, task, prompts)
     rows = gen.generate(texts, **g.sampling(group_size=2, seed=0).kwargs())
     model, _ = load_model(folder, trust_remote_code=trust_remote_code)
     gaps = logprob_gaps(model, rows)

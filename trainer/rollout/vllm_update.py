@@ -37,16 +37,23 @@ from trainer.errors import WeightUpdateError
 
 EXTENSION = "trainer.rollout.vllm_update.WeightUpdateExtension"
 VERIFY_TOLERANCE = 1e-3  # float32 engine: max vLLM vs teacher-forced log-prob gap
-# A bf16/fp16 engine differs from the float32 recomputation by rounding, which on rare tokens
-# (and top-p boundary flips, -inf on one side) can exceed any small max-gap bound; stale weights
-# or a stale KV block are off by ~1 nat on most tokens (docs/platform.md). So low precision is
-# verified on the mean of the per-token gap clipped at 1 nat (docs/benchmarks.md, bf16 gap).
-LOW_PRECISION_VERIFY_TOLERANCE = 0.05
+# A bf16/fp16 engine differs from the float32 recomputation by its own rounding, which no small
+# max-gap bound survives (rare tokens, top-p boundary flips: -inf on one side). So low precision
+# is verified on the mean per-token gap clipped at 1 nat, and the bound is set by what bf16
+# rounding gives on a real model, not a tiny one: bf16 logits keep 8 bits of mantissa, so the
+# gap grows with the logits' size (large vocabularies, trained models) and with 1 / temperature.
+# Measured (docs/benchmarks.md): tiny random model ~0.001; SmolLM2-135M (vocabulary 49k)
+# 0.034 on chat prompts and 0.054 on plain-text ones at temperature 1 (0.05, the bound before,
+# refused a correct engine there). The failures the check exists for are far above it: a stale
+# KV block or weights of another model are ~1 nat off on most tokens (docs/platform.md). What a
+# bf16 check cannot see is an update smaller than bf16 rounding (one small RL step dropped);
+# float32 engines are checked on the max gap, to 1e-3.
+LOW_PRECISION_VERIFY_TOLERANCE = 0.2
 
 
 def verify_tolerance(dtype: torch.dtype) -> tuple[str, float]:
     """(statistic, tolerance) that verifies an engine running in ``dtype``: ("max", 1e-3) in
-    float32, ("clipped_mean", 0.05) in bf16/fp16 (see :func:`trainer.rollout.hf.logprob_gaps`)."""
+    float32, ("clipped_mean", 0.2) in bf16/fp16 (see :func:`trainer.rollout.hf.logprob_gaps`)."""
     if dtype in (torch.float32, torch.float64):
         return "max", VERIFY_TOLERANCE
     return "clipped_mean", LOW_PRECISION_VERIFY_TOLERANCE
