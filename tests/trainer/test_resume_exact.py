@@ -117,3 +117,35 @@ def test_resume_after_a_kill_equals_the_uninterrupted_run(
     # A round the killed run appended counts as generated (token budget, controller reward).
     assert totals == want_totals
     assert rounds == want_rounds
+
+
+def records(run_dir) -> tuple[list, list, dict]:
+    """What a run recorded: every usage row (learner step, rollout id), each metrics record's
+    (kind, step, round), and the steps of each TensorBoard scalar tag."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from rolloutstore import RolloutStore
+
+    usage = (
+        RolloutStore.open(run_dir / "store", create=False)
+        .sql("SELECT learner_step, rollout_id FROM usage ORDER BY 1, 2")
+        .to_pylist()
+    )
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    metrics = [(r["kind"], r["step"], r.get("round")) for r in lines]
+    acc = EventAccumulator(str(run_dir / "tb"), size_guidance={"scalars": 0})
+    acc.Reload()
+    tb = {tag: [e.step for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+    return usage, metrics, tb
+
+
+def test_records_after_a_kill_equal_the_uninterrupted_runs(tmp_path, monkeypatch):
+    # Killed at step 7: the newest checkpoint is step 5, steps 6-7 and round 3 are redone.
+    ref_dir, run_dir = tmp_path / "ref" / "run", tmp_path / "killed" / "run"
+    T.train(config(ref_dir, upr=2, every=5), progress=False)
+    run_killed_then_resumed(run_dir, config(run_dir, upr=2, every=5), "step:7", monkeypatch)
+    usage, metrics, tb = records(run_dir)
+    want_usage, want_metrics, want_tb = records(ref_dir)
+    assert len(usage) == len(want_usage) and usage == want_usage  # no step recorded twice
+    assert metrics == want_metrics
+    assert tb == want_tb and tb["train/loss"] == list(range(1, STEPS + 1))

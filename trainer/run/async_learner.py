@@ -198,7 +198,7 @@ class AsyncLoop(Loop):
         self.weights_dir = _open_weights(cfg, run_dir, meta, self.options)
         self._publish()
         (run_dir / "STOP").unlink(missing_ok=True)
-        self.metrics = Metrics(run_dir)
+        self.metrics = Metrics(run_dir, state)  # records after the checkpoint dropped
         self.actors = ActorPool(run_dir, r.actors, rounds_ahead(cfg), self.metrics)
         self.generator = _eval_generator(
             cfg, self.model_dir, self.learner.policy_version, self.run_id
@@ -248,7 +248,7 @@ class AsyncLoop(Loop):
     def checkpoint(self) -> None:
         save_run_checkpoint(
             self.run_dir, self.step, self.cfg, self.learner, self.loader, self.store,
-            self.totals, self.first_eval,
+            self.totals, self.first_eval, metrics_records=self.metrics.records,
         )  # fmt: skip
 
     def close(self) -> None:

@@ -176,11 +176,20 @@ def setup_learner(
         trainer_state, state = ckpt.restore(None if r.fsdp else learner.model)
         learner.load_state_dict(trainer_state["learner"])
         loader.load_state_dict(state["loader"])
+    if resume:  # steps the killed run drew are in the usage log once; retaking them adds none
+        loader.usage_recorded_through = recorded_usage_through(store, run_id)
     if resume and d.is_main:
         note_resume(run_dir, cfg, ckpt)  # run.json's record, one line naming the checkpoint
     if not r.fsdp:
         wrap_learner(learner, d)
     return learner, loader, state
+
+
+def recorded_usage_through(store: RolloutStore, run_id: str) -> int:
+    """The newest learner step of ``run_id`` in the store's usage log (-1: none)."""
+    t = store.sql("SELECT max(learner_step) AS s FROM usage WHERE run_id = ?", [run_id])
+    value = t["s"][0].as_py()
+    return -1 if value is None else int(value)
 
 
 def load_learner_model(cfg: TrainConfig, model_dir: Path) -> tuple[Any, Any]:

@@ -163,7 +163,7 @@ class SyncLoop(Loop):
                 backend, cfg.generation, self.task, self.model_dir, run_dir / "weights",
                 self.run_id, seed=r.seed, trust_remote_code=cfg.model.trust_remote_code,
             )  # fmt: skip
-            self.metrics = Metrics(run_dir)
+            self.metrics = Metrics(run_dir, state)  # records after the checkpoint dropped
         self.last_eval = self.first_eval
 
     # -- state -------------------------------------------------------------------------------
@@ -280,6 +280,7 @@ class SyncLoop(Loop):
             save_run_checkpoint(
                 self.run_dir, self.step, self.cfg, learner, self.loader, self.store,
                 self.totals, self.first_eval, self.state_dict()["schedule"], learner_state,
+                metrics_records=self.metrics.records,
             )  # fmt: skip
 
     def finish(self) -> None:
