@@ -19,6 +19,8 @@ from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
 import trainer.run.sync as T
+from rolloutstore import RolloutStore
+from trainer.cli import main
 from trainer.config import TrainConfig
 
 STEPS = 8
@@ -124,8 +126,6 @@ def records(run_dir) -> tuple[list, list, dict]:
     (kind, step, round), and the steps of each TensorBoard scalar tag."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from rolloutstore import RolloutStore
-
     usage = (
         RolloutStore.open(run_dir / "store", create=False)
         .sql("SELECT learner_step, rollout_id FROM usage ORDER BY 1, 2")
@@ -139,7 +139,7 @@ def records(run_dir) -> tuple[list, list, dict]:
     return usage, metrics, tb
 
 
-def test_records_after_a_kill_equal_the_uninterrupted_runs(tmp_path, monkeypatch):
+def test_records_after_a_kill_equal_the_uninterrupted_runs(tmp_path, monkeypatch, capsys):
     # Killed at step 7: the newest checkpoint is step 5, steps 6-7 and round 3 are redone.
     ref_dir, run_dir = tmp_path / "ref" / "run", tmp_path / "killed" / "run"
     T.train(config(ref_dir, upr=2, every=5), progress=False)
@@ -149,3 +149,13 @@ def test_records_after_a_kill_equal_the_uninterrupted_runs(tmp_path, monkeypatch
     assert len(usage) == len(want_usage) and usage == want_usage  # no step recorded twice
     assert metrics == want_metrics
     assert tb == want_tb and tb["train/loss"] == list(range(1, STEPS + 1))
+    # `rolloutstore-train compare` says so, and names the first difference when there is one.
+    assert main(["compare", str(ref_dir), str(run_dir)]) == 0
+    assert "identical: 8 learner steps" in capsys.readouterr().out
+    ids = [r["rollout_id"] for r in want_usage if r["learner_step"] == 3]
+    RolloutStore.open(run_dir / "store").record_usage(ids[:1], 3, run_id="resume-exact")
+    with pytest.raises(SystemExit) as exit:
+        main(["compare", str(ref_dir), str(run_dir)])
+    assert exit.value.code == 1
+    out = capsys.readouterr().out
+    assert "first difference: learner step 3: usage rows 8 (A) vs 9 (B)" in out
