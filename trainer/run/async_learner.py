@@ -73,6 +73,7 @@ from trainer.run.setup import (
     TrainResult,
     evaluate,
     prepare_model,
+    removed_on_failure,
     run_meta,
     setup_learner,
     store_location,
@@ -162,7 +163,9 @@ def _eligible_rows(selector: Selector, learner_version: int) -> int:
 
 def async_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> TrainResult:
     """Run (or resume) the async loop described in the module docstring (learner side)."""
-    return AsyncLoop(cfg, resume=resume).run(progress=progress)
+    with removed_on_failure(Path(cfg.run.dir), resume=resume):
+        loop = AsyncLoop(cfg, resume=resume)
+    return loop.run(progress=progress)
 
 
 class AsyncLoop(Loop):

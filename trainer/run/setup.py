@@ -3,9 +3,11 @@ the store location and the learner with its replay loader (restored from a check
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -244,6 +246,31 @@ def build_learner(cfg: TrainConfig, model, device: torch.device) -> Learner:
         compute_dtype=resolve_dtype(mc.dtype, device),
         gradient_checkpointing=mc.gradient_checkpointing,
     )
+
+
+def check_start(cfg: TrainConfig) -> None:
+    """The config's files and names, checked before anything is created (each refusal one
+    line naming the key and the fix): the model folder, device and dtype, the task (its name,
+    options and files) and the replay sources."""
+    from trainer.models.load import check_model
+    from trainer.run.sources import check_sources
+
+    check_model(cfg.model)
+    cfg.task.build()
+    check_sources(cfg.run.sources, cfg.model.path)
+
+
+@contextlib.contextmanager
+def removed_on_failure(run_dir: Path, *, resume: bool, main: bool = True) -> Iterator[None]:
+    """Around a run's setup: a fresh run's folder that this start created is removed again
+    when the setup fails (a failed start leaves no half-made run behind)."""
+    fresh = main and not resume and not run_dir.exists()
+    try:
+        yield
+    except BaseException:
+        if fresh:
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
 
 
 def run_meta(run_dir: Path, cfg: TrainConfig, resume: bool) -> dict[str, Any]:

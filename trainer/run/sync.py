@@ -42,7 +42,6 @@ from rolloutstore import RolloutStore
 from trainer.config import TrainConfig
 from trainer.control import ReplayController
 from trainer.errors import RunDirError
-from trainer.models.load import check_model
 from trainer.rollout.pipeline import RoundIds, generate_rollouts, resolve_backend
 from trainer.rollout.policy import LivePolicy
 from trainer.rollout.weights import publish_weights
@@ -55,9 +54,11 @@ from trainer.run.metrics import Metrics
 from trainer.run.resume import check_resume
 from trainer.run.setup import (
     TrainResult,
+    check_start,
     check_world_size,
     evaluate,
     prepare_model,
+    removed_on_failure,
     run_meta,
     setup_learner,
     store_location,
@@ -72,7 +73,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> T
     """
     if resume:  # [optim] / [model] changes a resume cannot apply: refused, nothing written
         check_resume(cfg)
-    check_model(cfg.model)  # folder, device, dtype: refused before any run state is written
+    check_start(cfg)  # model, task, sources: refused before any run state is written
     if cfg.run.fsdp and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         raise RunDirError(
             "run.fsdp = true shards the learner across torchrun ranks (sync mode); start with "
@@ -98,7 +99,9 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> T
         )
     d = dist_from_env()
     try:
-        return SyncLoop(cfg, d, resume=resume).run(progress=progress)
+        with removed_on_failure(Path(cfg.run.dir), resume=resume, main=d.is_main):
+            loop = SyncLoop(cfg, d, resume=resume)
+        return loop.run(progress=progress)
     finally:
         d.close()
 
