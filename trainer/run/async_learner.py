@@ -74,6 +74,7 @@ from trainer.run.setup import (
     evaluate,
     prepare_model,
     removed_on_failure,
+    report_sources,
     run_meta,
     setup_learner,
     store_location,
@@ -202,6 +203,8 @@ class AsyncLoop(Loop):
         self._publish()
         (run_dir / "STOP").unlink(missing_ok=True)
         self.metrics = Metrics(run_dir, state)  # records after the checkpoint dropped
+        if state is None:  # from step 0: what the imported rows give this run
+            report_sources(cfg, self.store, self.run_id, self.metrics)
         self.actors = ActorPool(run_dir, r.actors, rounds_ahead(cfg), self.metrics)
         self.generator = _eval_generator(
             cfg, self.model_dir, self.learner.policy_version, self.run_id

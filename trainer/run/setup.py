@@ -215,10 +215,24 @@ def _import_sources(store: RolloutStore, sources, run_id: str, tokenizer) -> Non
 
     fingerprint = tokenizer_fingerprint(tokenizer)
     for imp in import_sources(store, sources, run_id=run_id, fingerprint=fingerprint):
+        via = f"run {imp['via']!r}'s" if imp.get("via") else "its"
         print(
             f"replaying {imp['rollouts']} rollouts of run {imp['run_id']!r} from "
-            f"{imp['source']} (its version {imp['parent_version']} -> this run's -1)"
+            f"{imp['source']} ({via} version {imp['parent_version']} -> this run's -1)"
         )
+
+
+def report_sources(cfg: TrainConfig, store: RolloutStore, run_id: str, metrics) -> None:
+    """A run with ``[run] sources``, at its start: one line and a ``sources`` metrics record
+    saying how many imported rows its staleness bound lets it draw, and until which step."""
+    from trainer.run.sources import source_usage, source_usage_line
+
+    if not cfg.run.sources:
+        return
+    rep = source_usage(store, run_id, cfg.replay.max_staleness, cfg.run.steps)
+    if rep is not None:
+        print(source_usage_line(rep), flush=True)
+        metrics.log("sources", 0, rep)
 
 
 def learner_loss_config(cfg: TrainConfig) -> LossConfig:

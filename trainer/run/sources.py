@@ -8,7 +8,12 @@ their ids, run_id and behaviour log-probs, so the importance correction stays
 valid. Their ``policy_version`` is rebased so that the source run's newest
 version sits just before this run's version 0 (``v - newest - 1``), and the
 lineage table records ``(this run, 0, source run, newest)``: a source rollout's
-staleness at learner version ``u`` is then ``u + newest + 1 - v``. Rollouts are
+staleness at learner version ``u`` is then ``u + newest + 1 - v``. A source that
+itself replayed earlier runs (a chain: grandparent -> parent -> this run) holds
+their rows already rebased onto its own versions; they move with it, by the same
+shift, so they stay older than its own rows, and its lineage rows are copied, so
+the link to the grandparent is kept. :func:`source_usage` says how many imported
+rows ``[replay].max_staleness`` lets a run draw, and until which step. Rollouts are
 reused only across tokenizers with the same fingerprint; anything else is an
 error, since token ids would mean different text. Likewise a run with rows whose
 behaviour log-probs the learner cannot reproduce (``logprobs_mode`` not processed,
@@ -101,6 +106,8 @@ def import_sources(
             "SELECT run_id, max(policy_version) AS newest, count(*) AS n, "
             "list(DISTINCT tokenizer_fingerprint) AS fps FROM rollouts GROUP BY 1 ORDER BY 1"
         ).to_pylist()
+        owner = _timeline_owners(src, {r["run_id"] for r in runs})
+        newest = {r["run_id"]: r["newest"] for r in runs}
         for r in runs:
             fps = {f for f in r["fps"] if f is not None}
             if fps != {fingerprint}:
@@ -114,15 +121,95 @@ def import_sources(
             if r["run_id"] in done:  # imported before (e.g. by the run this one resumes)
                 continue
             _check_sampling(src, source, r["run_id"])
-            shift = r["newest"] + 1
+            # Rows of a run the source replayed are on the source run's versions already.
+            top = owner[r["run_id"]]
+            shift = newest[top] + 1
             store.append(_rebased(src, r["run_id"], shift))
-            store.record_lineage(run_id, 0, r["run_id"], r["newest"])
+            if top == r["run_id"]:
+                store.record_lineage(run_id, 0, r["run_id"], r["newest"])
+            for link in _lineage_of(src, r["run_id"]):  # the source's own link to its parent
+                store.record_lineage(**link)
             summaries.append(
                 {
                     "source": str(source),
                     "run_id": r["run_id"],
                     "rollouts": r["n"],
-                    "parent_version": r["newest"],
+                    "parent_version": newest[top],
+                    "via": None if top == r["run_id"] else top,
                 }
             )
     return summaries
+
+
+def _lineage_rows(src: RolloutStore) -> list[dict]:
+    table = src.lineage_table()
+    if not isinstance(table, pa.Table):
+        table = table.to_table()
+    return table.select(["run_id", "policy_version", "parent_run", "parent_version"]).to_pylist()
+
+
+def _timeline_owners(src: RolloutStore, runs: set[str]) -> dict[str, str]:
+    """For each run of a source store, the run whose versions its rows are on: itself, or
+    (a run it replayed: lineage ``(child, 0, run, ...)`` with the child in the store) the
+    child's owner, up the chain."""
+    child = {
+        row["parent_run"]: row["run_id"]
+        for row in _lineage_rows(src)
+        if row["parent_run"] in runs
+        and row["run_id"] in runs
+        and row["parent_run"] != row["run_id"]
+    }
+    owners = {}
+    for run in runs:
+        top, seen = run, {run}
+        while top in child and child[top] not in seen:
+            top = child[top]
+            seen.add(top)
+        owners[run] = top
+    return owners
+
+
+def _lineage_of(src: RolloutStore, run_id: str) -> list[dict]:
+    """The source's lineage rows of ``run_id`` (its own parents), as ``record_lineage`` args."""
+    return [row for row in _lineage_rows(src) if row["run_id"] == run_id]
+
+
+def source_usage(
+    store: RolloutStore, run_id: str, max_staleness: int | None, steps: int
+) -> dict | None:
+    """How many imported rows (other runs', at versions before this run's 0) the staleness
+    bound lets this run draw at its first step, and the last learner step (1-based: step k
+    draws at version k - 1) at which any still can; None when there are none."""
+    t = store.sql(
+        "SELECT count(*) AS n, max(policy_version) AS newest, "
+        "count(*) FILTER (WHERE policy_version >= ?) AS usable "
+        "FROM rollouts WHERE run_id <> ? AND policy_version < 0",
+        [-(max_staleness if max_staleness is not None else 2**62), run_id],
+    ).to_pylist()[0]
+    if not t["n"]:
+        return None
+    last = None if max_staleness is None else max_staleness + t["newest"] + 1
+    return {
+        "rows": t["n"],
+        "usable": t["usable"],
+        "max_staleness": max_staleness,
+        "last_usable_step": last,
+        "steps": steps,
+    }
+
+
+def source_usage_line(rep: dict) -> str:
+    """``source_usage`` as the one line a run prints at its start."""
+    if rep["max_staleness"] is None:
+        return f"sources: all {rep['rows']} imported rows are usable ([replay].max_staleness unset)"
+    line = (
+        f"sources: {rep['usable']} of {rep['rows']} imported rows are usable under "
+        f"[replay].max_staleness = {rep['max_staleness']}; "
+    )
+    last = rep["last_usable_step"]
+    if last < 1:
+        return line + "none from learner step 1 on: raise [replay].max_staleness to replay them"
+    line += f"they age out after learner step {last} (run.steps = {rep['steps']})"
+    if rep["usable"] < rep["rows"] or last < rep["steps"]:
+        line += "; raise [replay].max_staleness to keep more of them"
+    return line

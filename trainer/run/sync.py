@@ -59,6 +59,7 @@ from trainer.run.setup import (
     evaluate,
     prepare_model,
     removed_on_failure,
+    report_sources,
     run_meta,
     setup_learner,
     store_location,
@@ -167,6 +168,8 @@ class SyncLoop(Loop):
                 self.run_id, seed=r.seed, trust_remote_code=cfg.model.trust_remote_code,
             )  # fmt: skip
             self.metrics = Metrics(run_dir, state)  # records after the checkpoint dropped
+            if state is None:  # from step 0: what the imported rows give this run
+                report_sources(cfg, self.store, self.run_id, self.metrics)
         self.last_eval = self.first_eval
 
     # -- state -------------------------------------------------------------------------------
