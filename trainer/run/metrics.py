@@ -50,16 +50,17 @@ class Metrics:
             return []
         kept: list[dict[str, Any]] = []
         if resume is not None:
-            lines = [json.loads(x) for x in self.path.read_text().splitlines() if x.strip()]
+            lines = self.path.read_text().splitlines()
             n = resume.get("metrics_records")
-            if n is not None:
-                kept = lines[: int(n)]
+            if n is not None:  # all written before the checkpoint, so whole lines
+                kept = [json.loads(x) for x in lines[: int(n)]]
             else:  # an older checkpoint: before its step, and its step's train / eval records
                 step = int(resume["step"])
                 kept = [
                     r
-                    for r in lines
-                    if r["step"] < step or (r["step"] == step and r["kind"] in ("train", "eval"))
+                    for r in map(_record, lines)
+                    if r is not None
+                    and (r["step"] < step or (r["step"] == step and r["kind"] in ("train", "eval")))
                 ]
         tmp = self.path.with_name(".metrics.jsonl.tmp")
         tmp.write_text("".join(json.dumps(r, default=_jsonable) + "\n" for r in kept))
@@ -85,6 +86,13 @@ class Metrics:
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
+
+
+def _record(line: str) -> dict[str, Any] | None:
+    try:
+        return json.loads(line)
+    except ValueError:  # a line a kill cut short
+        return None
 
 
 def _jsonable(v):
