@@ -33,7 +33,7 @@ from rolloutstore.replay.config import ReplayConfig
 from trainer.algo.loss import LossConfig
 from trainer.algo.optim import OptimConfig
 from trainer.control import ControlConfig
-from trainer.errors import ConfigError
+from trainer.errors import ConfigError, TaskFileError
 from trainer.models.lora import LoraSettings
 from trainer.rollout.sampling import GenerationConfig
 from trainer.tasks import Task, get_task
@@ -149,6 +149,10 @@ class TaskConfig:
             task = get_task(self.name, chat_template=self.chat_template, **self.options)
         except TypeError as exc:
             raise ConfigError(_task_option_error(self.name, str(exc))) from exc
+        except TaskFileError as exc:  # the file an option names (path, eval_path) is not there
+            raise TaskFileError(
+                f"[task].options: {exc}; fix the path (relative paths start at the current folder)"
+            ) from exc
         return with_tools(task, self.tools, demo_tool_fraction=float(self.tool_demos))
 
 

@@ -137,6 +137,10 @@ def test_dataset_task_without_a_path_is_one_line_and_creates_no_run(tmp_path):
     cfg = _task_config(tmp_path, '[task]\nname = "dataset"\noptions = { reward = "exact" }\n')
     _one_line_error(trainer_cli("train", cfg), "[task].options.path", "required", "dataset")
     assert not (tmp_path / "run").exists()
+    missing = tmp_path / "questoins.jsonl"
+    cfg = _task_config(tmp_path, f'[task]\nname = "dataset"\noptions = {{ path = "{missing}" }}\n')
+    _one_line_error(trainer_cli("train", cfg), "[task].options", "questoins.jsonl", "no such file")
+    assert not (tmp_path / "run").exists()
 
 
 def test_task_options_without_a_task_name_name_the_key(tmp_path):
