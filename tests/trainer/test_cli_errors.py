@@ -205,3 +205,10 @@ def test_a_misspelled_score_with_folder_is_one_line_naming_the_flag(tmp_path, fl
         args += ["--score-with", str(tmp_path / "model"), "--tokenizer", str(tmp_path / "tok")]
     _one_line_error(trainer_cli(*args), flag, "no such folder")
     assert not (tmp_path / "store").exists()
+
+
+def test_generate_with_a_misspelled_model_folder_creates_no_store(tmp_path):
+    store = tmp_path / "gen"
+    p = trainer_cli("generate", str(store), "--model", str(tmp_path / "modle"), "--task", "arith")
+    _one_line_error(p, "--model", "modle", "no such folder", '"tiny"')
+    assert not store.exists()

@@ -109,7 +109,7 @@ def check_model_dir(path: str | Path, key: str = "[model].path", *, tokenizer: b
     gave it) and what is missing (before any run state is written, so a typo leaves nothing
     behind). ``tokenizer``: the folder must hold the tokenizer too."""
     path = Path(path)
-    tiny = ' or "tiny"' if key == "[model].path" else ""
+    tiny = ' or "tiny"' if key in ("[model].path", "--model") else ""
     if not path.is_dir():
         raise ModelError(
             f"{key} {str(path)!r}: no such folder; give a local model folder (a "
