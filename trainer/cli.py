@@ -4,6 +4,7 @@ rolloutstore-train train CONFIG.toml [--set run.steps=20 ...]
 rolloutstore-train train CONFIG.toml --set 'run.mode="async"' --actors 2
 rolloutstore-train resume RUN_DIR [--set run.steps=N ...]
 rolloutstore-train config --defaults        # every config key, its default and help (TOML)
+rolloutstore-train compare RUN_A RUN_B    # same draws per step and final weights? (exit 1: no)
 torchrun --nproc-per-node 2 -m trainer train CONFIG.toml   # distributed learners (sync mode)
 rolloutstore-train actor RUN_DIR [--actor-id K] [--learner-weights DIR]  # async; learner starts it
 rolloutstore-train actor CONFIG.toml --store s3://B/store --learner-weights s3://B/weights  # remote
@@ -131,6 +132,15 @@ def cmd_config(a) -> None:
     print(defaults_toml(), end="")
 
 
+def cmd_compare(a) -> None:
+    from trainer.run.compare import compare_runs
+
+    result = compare_runs(a.run_a, a.run_b)
+    print(result.line())
+    if result.difference is not None:
+        raise SystemExit(1)
+
+
 def cmd_plot(a) -> None:
     from trainer.run.plot import plot_run
 
@@ -157,6 +167,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="every key of every table, its default and help, as a TOML file",
     )
     p.set_defaults(func=cmd_config)
+
+    p = sub.add_parser(
+        "compare",
+        help="two runs' per-step draws (usage) and final weights: identical, or the first "
+        "difference (exit 1)",
+    )
+    p.add_argument("run_a")
+    p.add_argument("run_b")
+    p.set_defaults(func=cmd_compare)
     register_commands(sub)  # generate, rescore, ingest
     add_debug_flag(ap, sub)
     return ap

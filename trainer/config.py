@@ -33,7 +33,7 @@ from rolloutstore.replay.config import ReplayConfig
 from trainer.algo.loss import LossConfig
 from trainer.algo.optim import OptimConfig
 from trainer.control import ControlConfig
-from trainer.errors import ConfigError
+from trainer.errors import ConfigError, TaskFileError
 from trainer.models.lora import LoraSettings
 from trainer.rollout.sampling import GenerationConfig
 from trainer.tasks import Task, get_task
@@ -143,9 +143,45 @@ class TaskConfig:
             raise ConfigError(f"[task].tool_demos must be a number in [0, 1], got {d!r}")
 
     def build(self) -> Task:
-        """The configured task (its options, chat-template mode and tools)."""
-        task = get_task(self.name, chat_template=self.chat_template, **self.options)
+        """The configured task (its options, chat-template mode and tools); a missing or
+        unknown option is a :class:`ConfigError` naming ``[task].options.KEY`` and the fix."""
+        try:
+            task = get_task(self.name, chat_template=self.chat_template, **self.options)
+        except TypeError as exc:
+            raise ConfigError(_task_option_error(self.name, str(exc))) from exc
+        except TaskFileError as exc:  # the file an option names (path, eval_path) is not there
+            raise TaskFileError(
+                f"[task].options: {exc}; fix the path (relative paths start at the current folder)"
+            ) from exc
         return with_tools(task, self.tools, demo_tool_fraction=float(self.tool_demos))
+
+
+def _task_option_error(name: str, message: str) -> str:
+    """A task constructor's TypeError (a missing or unexpected keyword) in config words."""
+    import re
+
+    missing = re.search(
+        r"missing \d+ required (?:positional|keyword-only) arguments?: (.*)", message
+    )
+    if missing:
+        keys = re.findall(r"'(\w+)'", missing[1])
+        example = ", ".join(f'{k} = "..."' for k in keys)
+        return (
+            f"[task].options.{keys[0]} is required by the {name!r} task: add it, e.g. "
+            f"options = {{ {example} }}"
+        )
+    unknown = re.search(r"unexpected keyword argument '(\w+)'", message)
+    if unknown:
+        hint = (
+            '; [task].name defaults to "arith": for a file of prompts set [task].name = "dataset"'
+            if unknown[1] == "path" and name != "dataset"
+            else ""
+        )
+        return (
+            f"[task].options.{unknown[1]}: the {name!r} task has no such option; remove it or "
+            f"fix its name{hint}"
+        )
+    return f"[task].options of the {name!r} task: {message}"
 
 
 def check_turns(task: TaskConfig, generation: GenerationConfig) -> None:

@@ -146,10 +146,9 @@ def _prompt(row: dict[str, Any]):
 def resolve_model(model: str, store_path: str | Path, task: str) -> Path:
     """``model`` as a folder; ``"tiny"`` means ``STORE/../tiny-model``, built for ``task`` if absent."""
     if model != TINY_MODEL:
-        path = Path(model)
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"--model {model}: no config.json in that folder")
-        return path
+        from trainer.models.load import check_model_dir
+
+        return check_model_dir(model, "--model")
     path = Path(store_path).resolve().parent / "tiny-model"
     if not (path / "config.json").is_file():
         from trainer.models.tiny import make_tiny_model
@@ -165,8 +164,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
     task_cfg, task, gen = generate_config(args)  # every check before anything is written
     ids = RoundIds(args.run_id, policy_id=args.policy_id, seed=args.seed)
+    model = resolve_model(args.model, args.store, task_cfg.name)  # before the store is made
     store = RolloutStore.open(args.store, create=True)
-    model = resolve_model(args.model, args.store, task_cfg.name)
     summary = generate_rollouts(
         store, model, task, args.prompts, generation=gen, policy_version=args.policy_version,
         ids=ids, progress=not args.quiet,

@@ -205,6 +205,8 @@ class ReplayDataset(IterableDataset):
         self.steps = steps
         self.run_id = run_id
         self.record_usage = record_usage
+        # Steps <= this are in the usage log already (see Selector.usage_recorded_through).
+        self.usage_recorded_through = -1
         self.prefetch = prefetch
         self.cache_tokens = cache_tokens
         self.start_step = 0
@@ -293,6 +295,7 @@ class ReplayDataset(IterableDataset):
             record_usage=self.record_usage and self.rank == 0 and wid == 0,
         )
         selector.load_state_dict({"step": self.start_step})
+        selector.usage_recorded_through = self.usage_recorded_through
         cache = TokenCache(self.store, self.cache_tokens)
         step = self.start_step
         try:

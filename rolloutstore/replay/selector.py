@@ -111,6 +111,9 @@ class Selector:
         self.config = (config or ReplayConfig()).seeded()
         self.run_id = run_id
         self.record_usage = record_usage
+        # Steps of this run whose usage is already in the log (a resumed run retakes steps
+        # its killed predecessor recorded): not recorded again, so the log holds each once.
+        self.usage_recorded_through = -1
         self.step = 0
         self._frag_stats: dict[tuple, _FragStats] = {}
         self._uses = UseCounts()
@@ -359,7 +362,7 @@ class Selector:
             no_embedding=no_embedding,
         )
         self._uses.add_own(sel.rollout_ids)
-        if self.record_usage:
+        if self.record_usage and step > self.usage_recorded_through:
             self.store.record_usage(sel.rollout_ids, learner_step=step, run_id=self.run_id)
         self.step = step + 1
         return sel

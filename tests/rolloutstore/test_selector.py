@@ -253,3 +253,19 @@ def test_config_validation_and_round_trip():
         ReplayConfig.from_dict({"windw": 3})
     cfg = ReplayConfig(window=5, runs=["a"], where="reward > ?", where_params=[1])
     assert ReplayConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_steps_already_in_the_usage_log_are_not_recorded_again(tmp_path):
+    # A resumed run retakes steps its killed predecessor drew: the log keeps each step once,
+    # and max_uses still counts each step's use once.
+    store = RolloutStore.open(tmp_path / "s")
+    store.append(make_rows(32))
+    cfg = ReplayConfig(window=32, max_uses=2, seed=3)
+    first = Selector(store, cfg, run_id="r")
+    drawn = [first.sample(8, learner_version=0).rollout_ids for _ in range(2)]
+    again = Selector(store, cfg, run_id="r")
+    again.usage_recorded_through = 1  # what the trainer reads from the log on resume
+    assert [again.sample(8, learner_version=0).rollout_ids for _ in range(2)] == drawn
+    again.sample(8, learner_version=0)
+    steps = store.sql("SELECT learner_step, count(*) AS n FROM usage GROUP BY 1 ORDER BY 1")
+    assert steps.to_pylist() == [{"learner_step": s, "n": 8} for s in range(3)]

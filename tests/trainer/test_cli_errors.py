@@ -122,3 +122,93 @@ def test_cuda_requested_without_cuda(tmp_path):
     path.write_text(path.read_text().replace("[model]\n", '[model]\ndevice = "cuda"\n', 1))
     _one_line_error(trainer_cli("train", cfg), "[model].device", "no CUDA", '"auto"')
     assert not (tmp_path / "run").exists()
+
+
+def _task_config(tmp_path, task: str) -> str:
+    cfg = Path(_config(tmp_path))
+    text = cfg.read_text()
+    start = text.index("[task]\n")
+    end = text.index("eval_prompts")
+    cfg.write_text(text[:start] + task + text[end:])
+    return str(cfg)
+
+
+def test_dataset_task_without_a_path_is_one_line_and_creates_no_run(tmp_path):
+    cfg = _task_config(tmp_path, '[task]\nname = "dataset"\noptions = { reward = "exact" }\n')
+    _one_line_error(trainer_cli("train", cfg), "[task].options.path", "required", "dataset")
+    assert not (tmp_path / "run").exists()
+    missing = tmp_path / "questoins.jsonl"
+    cfg = _task_config(tmp_path, f'[task]\nname = "dataset"\noptions = {{ path = "{missing}" }}\n')
+    _one_line_error(trainer_cli("train", cfg), "[task].options", "questoins.jsonl", "no such file")
+    assert not (tmp_path / "run").exists()
+
+
+def test_task_options_without_a_task_name_name_the_key(tmp_path):
+    (tmp_path / "q.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    cfg = _task_config(tmp_path, f'[task]\noptions = {{ path = "{tmp_path / "q.jsonl"}" }}\n')
+    _one_line_error(trainer_cli("train", cfg), "[task].options.path", '[task].name = "dataset"')
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_source_that_is_no_store_is_refused_before_the_run_folder_exists(tmp_path):
+    cfg = Path(_config(tmp_path))
+    missing = tmp_path / "no-such-run"
+    cfg.write_text(cfg.read_text().replace("[run]\n", f'[run]\nsources = ["{missing}"]\n'))
+    _one_line_error(trainer_cli("train", str(cfg)), "[run].sources", "no-such-run")
+    assert not (tmp_path / "run").exists()
+
+
+def test_tiny_model_replaying_a_run_of_a_model_folder_names_model_path(tmp_path):
+    # [model].path unset means the tiny model (intended); a source made with a real model
+    # cannot share its tokenizer: say which key to set, before anything is created.
+    src = tmp_path / "earlier"
+    RolloutStore.open(src / "store")
+    (src / "run.json").write_text('{"config": {"model": {"path": "/models/Qwen"}}}')
+    cfg = Path(_config(tmp_path))
+    cfg.write_text(cfg.read_text().replace("[run]\n", f'[run]\nsources = ["{src}"]\n'))
+    _one_line_error(trainer_cli("train", str(cfg)), "[model].path", "/models/Qwen", '"tiny"')
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_failed_setup_removes_the_fresh_run_folder(tmp_path, monkeypatch):
+    import tomllib
+
+    import trainer.run.sync as T
+    from trainer.config import TrainConfig
+
+    def fail(*_a, **_k):
+        raise OSError("disk gone")
+
+    monkeypatch.setattr(T, "setup_learner", fail)
+    cfg = TrainConfig.from_dict(tomllib.loads(Path(_config(tmp_path)).read_text()))
+    with pytest.raises(OSError, match="disk gone"):
+        T.train(cfg, progress=False)
+    assert not (tmp_path / "run").exists()
+    # A run folder that was there before the start stays.
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "keep.txt").write_text("x")
+    with pytest.raises(OSError, match="disk gone"):
+        T.train(cfg, progress=False)
+    assert (tmp_path / "run" / "keep.txt").exists()
+
+
+@pytest.mark.parametrize("flag", ["--score-with", "--tokenizer"])
+def test_a_misspelled_score_with_folder_is_one_line_naming_the_flag(tmp_path, flag):
+    (tmp_path / "rows.jsonl").write_text('{"prompt": "1+1=", "completion": "2", "reward": 1}\n')
+    args = ["ingest", str(tmp_path / "store"), str(tmp_path / "rows.jsonl"), "--from", "trl"]
+    if flag == "--score-with":
+        args += ["--score-with", str(tmp_path / "modle")]
+    else:  # a real model folder, a misspelled tokenizer folder
+        from trainer.models.tiny import make_tiny_model
+
+        make_tiny_model(tmp_path / "model", task="arith", seed=0, num_layers=1)
+        args += ["--score-with", str(tmp_path / "model"), "--tokenizer", str(tmp_path / "tok")]
+    _one_line_error(trainer_cli(*args), flag, "no such folder")
+    assert not (tmp_path / "store").exists()
+
+
+def test_generate_with_a_misspelled_model_folder_creates_no_store(tmp_path):
+    store = tmp_path / "gen"
+    p = trainer_cli("generate", str(store), "--model", str(tmp_path / "modle"), "--task", "arith")
+    _one_line_error(p, "--model", "modle", "no such folder", '"tiny"')
+    assert not store.exists()

@@ -19,6 +19,8 @@ from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
 import trainer.run.sync as T
+from rolloutstore import RolloutStore
+from trainer.cli import main
 from trainer.config import TrainConfig
 
 STEPS = 8
@@ -117,3 +119,43 @@ def test_resume_after_a_kill_equals_the_uninterrupted_run(
     # A round the killed run appended counts as generated (token budget, controller reward).
     assert totals == want_totals
     assert rounds == want_rounds
+
+
+def records(run_dir) -> tuple[list, list, dict]:
+    """What a run recorded: every usage row (learner step, rollout id), each metrics record's
+    (kind, step, round), and the steps of each TensorBoard scalar tag."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    usage = (
+        RolloutStore.open(run_dir / "store", create=False)
+        .sql("SELECT learner_step, rollout_id FROM usage ORDER BY 1, 2")
+        .to_pylist()
+    )
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    metrics = [(r["kind"], r["step"], r.get("round")) for r in lines]
+    acc = EventAccumulator(str(run_dir / "tb"), size_guidance={"scalars": 0})
+    acc.Reload()
+    tb = {tag: [e.step for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+    return usage, metrics, tb
+
+
+def test_records_after_a_kill_equal_the_uninterrupted_runs(tmp_path, monkeypatch, capsys):
+    # Killed at step 7: the newest checkpoint is step 5, steps 6-7 and round 3 are redone.
+    ref_dir, run_dir = tmp_path / "ref" / "run", tmp_path / "killed" / "run"
+    T.train(config(ref_dir, upr=2, every=5), progress=False)
+    run_killed_then_resumed(run_dir, config(run_dir, upr=2, every=5), "step:7", monkeypatch)
+    usage, metrics, tb = records(run_dir)
+    want_usage, want_metrics, want_tb = records(ref_dir)
+    assert len(usage) == len(want_usage) and usage == want_usage  # no step recorded twice
+    assert metrics == want_metrics
+    assert tb == want_tb and tb["train/loss"] == list(range(1, STEPS + 1))
+    # `rolloutstore-train compare` says so, and names the first difference when there is one.
+    assert main(["compare", str(ref_dir), str(run_dir)]) == 0
+    assert "identical: 8 learner steps" in capsys.readouterr().out
+    ids = [r["rollout_id"] for r in want_usage if r["learner_step"] == 3]
+    RolloutStore.open(run_dir / "store").record_usage(ids[:1], 3, run_id="resume-exact")
+    with pytest.raises(SystemExit) as exit:
+        main(["compare", str(ref_dir), str(run_dir)])
+    assert exit.value.code == 1
+    out = capsys.readouterr().out
+    assert "first difference: learner step 3: usage rows 8 (A) vs 9 (B)" in out

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -72,6 +75,11 @@ def _long_prompts(path: Path, n: int = 12) -> None:
                 f"note {rng.randrange(1000)}: {rng.randrange(10**6)}" for _ in range(120)
             )
             f.write(json.dumps({"prompt": f"{notes}\nQ: {a}+{b} =", "answer": str(a + b)}) + "\n")
+
+
+def _logged(run_dir: Path) -> list[tuple]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [(r["kind"], r["step"], r.get("round")) for r in map(json.loads, lines)]
 
 
 def test_config_errors_name_the_key(tmp_path):
@@ -142,6 +150,14 @@ def test_sigkill_and_resume_equal_the_uninterrupted_run(tmp_path, template, faul
         for d in (ref_dir, crash_dir)
     ]
     assert ids[0] == ids[1] and len(set(ids[1])) == len(ids[1])
+    # The records too: no step drawn (usage) or logged (metrics.jsonl) twice.
+    cmp = subprocess.run(
+        [sys.executable, "-m", "trainer", "compare", str(ref_dir / "run"), str(crash_dir / "run")],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert cmp.returncode == 0 and cmp.stdout.startswith("identical"), cmp.stdout + cmp.stderr
+    assert _logged(ref_dir / "run") == _logged(crash_dir / "run")
     if template is LONG:  # the long-context case really ran on long, token-capped batches
         store = RolloutStore.open(crash_dir / "run" / "store")
         assert store.sql("SELECT min(num_prompt_tokens) AS n FROM rollouts")["n"][0].as_py() > 1000

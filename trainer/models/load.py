@@ -104,23 +104,35 @@ def load_model(
     return model.to(dtype), tok
 
 
-def check_model_dir(path: str | Path) -> Path:
-    """``path`` as a model folder, or ModelError saying what is missing (before any run state
-    is written, so a typo in ``[model].path`` leaves nothing behind)."""
+def check_model_dir(path: str | Path, key: str = "[model].path", *, tokenizer: bool = True) -> Path:
+    """``path`` as a model folder, or ModelError naming ``key`` (the config key or flag that
+    gave it) and what is missing (before any run state is written, so a typo leaves nothing
+    behind). ``tokenizer``: the folder must hold the tokenizer too."""
     path = Path(path)
+    tiny = ' or "tiny"' if key in ("[model].path", "--model") else ""
     if not path.is_dir():
         raise ModelError(
-            f"[model].path {str(path)!r}: no such folder; give a local model folder (a "
-            f'transformers save_pretrained folder with config.json) or "tiny"'
+            f"{key} {str(path)!r}: no such folder; give a local model folder (a "
+            f"transformers save_pretrained folder with config.json){tiny}"
         )
     if not (path / "config.json").is_file():
         raise ModelError(
-            f"[model].path {str(path)!r} has no config.json: give the folder that "
+            f"{key} {str(path)!r} has no config.json: give the folder that "
             f"save_pretrained wrote (weights, config.json, tokenizer files)"
         )
+    if tokenizer:
+        check_tokenizer_dir(path, key)
+    return path
+
+
+def check_tokenizer_dir(path: str | Path, key: str) -> Path:
+    """``path`` as a folder holding a tokenizer, or ModelError naming ``key``."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ModelError(f"{key} {str(path)!r}: no such folder; give the tokenizer's folder")
     if not any((path / f).is_file() for f in TOKENIZER_FILES):
         raise ModelError(
-            f"[model].path {str(path)!r} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}): "
+            f"{key} {str(path)!r} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}): "
             f"save the tokenizer into the folder too (tokenizer.save_pretrained(path))"
         )
     return path

@@ -27,7 +27,6 @@ kept on mask-1 tokens only (0.0 elsewhere: no log-prob on environment tokens).
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -57,11 +56,15 @@ class TextRowTransformer:
             )
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        tok_dir = Path(options.tokenizer or options.score_with)
-        model_dir = Path(options.score_with)
-        for what, d in (("--tokenizer", tok_dir), ("--score-with", model_dir)):
-            if not d.is_dir():
-                raise FileNotFoundError(f"{what} {d}: no such folder")
+        from trainer.models.load import check_model_dir, check_tokenizer_dir
+
+        # Both folders checked before anything loads (and before the store is opened).
+        model_dir = check_model_dir(
+            options.score_with, "--score-with", tokenizer=options.tokenizer is None
+        )
+        tok_dir = model_dir
+        if options.tokenizer is not None:
+            tok_dir = check_tokenizer_dir(options.tokenizer, "--tokenizer")
         self.tokenizer = AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True)
         self.fingerprint = tokenizer_fingerprint(self.tokenizer)
         self.model = AutoModelForCausalLM.from_pretrained(

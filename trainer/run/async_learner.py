@@ -73,6 +73,8 @@ from trainer.run.setup import (
     TrainResult,
     evaluate,
     prepare_model,
+    removed_on_failure,
+    report_sources,
     run_meta,
     setup_learner,
     store_location,
@@ -162,7 +164,9 @@ def _eligible_rows(selector: Selector, learner_version: int) -> int:
 
 def async_train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> TrainResult:
     """Run (or resume) the async loop described in the module docstring (learner side)."""
-    return AsyncLoop(cfg, resume=resume).run(progress=progress)
+    with removed_on_failure(Path(cfg.run.dir), resume=resume):
+        loop = AsyncLoop(cfg, resume=resume)
+    return loop.run(progress=progress)
 
 
 class AsyncLoop(Loop):
@@ -198,7 +202,9 @@ class AsyncLoop(Loop):
         self.weights_dir = _open_weights(cfg, run_dir, meta, self.options)
         self._publish()
         (run_dir / "STOP").unlink(missing_ok=True)
-        self.metrics = Metrics(run_dir)
+        self.metrics = Metrics(run_dir, state)  # records after the checkpoint dropped
+        if state is None:  # from step 0: what the imported rows give this run
+            report_sources(cfg, self.store, self.run_id, self.metrics)
         self.actors = ActorPool(run_dir, r.actors, rounds_ahead(cfg), self.metrics)
         self.generator = _eval_generator(
             cfg, self.model_dir, self.learner.policy_version, self.run_id
@@ -248,7 +254,7 @@ class AsyncLoop(Loop):
     def checkpoint(self) -> None:
         save_run_checkpoint(
             self.run_dir, self.step, self.cfg, self.learner, self.loader, self.store,
-            self.totals, self.first_eval,
+            self.totals, self.first_eval, metrics_records=self.metrics.records,
         )  # fmt: skip
 
     def close(self) -> None:

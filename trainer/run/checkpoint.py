@@ -352,11 +352,13 @@ def save_run_checkpoint(
     first_eval,
     schedule: dict[str, Any] | None = None,
     learner_state: dict[str, Any] | None = None,
+    metrics_records: int | None = None,
 ) -> Path:
     """Checkpoint everything a resume needs: learner state, loader position, store version,
     and (sync loop) the round schedule with the replay controller's state.
 
     ``learner_state``: ``learner.state_dict()`` gathered beforehand (FSDP: on every rank).
+    ``metrics_records``: lines of metrics.jsonl so far (a resume drops the later ones).
     A LoRA learner's checkpoint holds only the adapter weights (and their optimizer state)."""
     if learner_state is None:
         learner_state = learner.state_dict()
@@ -376,6 +378,7 @@ def save_run_checkpoint(
             "first_eval": first_eval,
             "config": cfg.to_dict(),
             **({"schedule": schedule} if schedule is not None else {}),
+            **({"metrics_records": metrics_records} if metrics_records is not None else {}),
         },
         keep=cfg.run.keep_checkpoints,
     )

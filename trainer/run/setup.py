@@ -3,9 +3,11 @@ the store location and the learner with its replay loader (restored from a check
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -179,11 +181,20 @@ def setup_learner(
         trainer_state, state = ckpt.restore(None if r.fsdp else learner.model)
         learner.load_state_dict(trainer_state["learner"])
         loader.load_state_dict(state["loader"])
+    if resume:  # steps the killed run drew are in the usage log once; retaking them adds none
+        loader.usage_recorded_through = recorded_usage_through(store, run_id)
     if resume and d.is_main:
         note_resume(run_dir, cfg, ckpt)  # run.json's record, one line naming the checkpoint
     if not r.fsdp:
         wrap_learner(learner, d)
     return learner, loader, state
+
+
+def recorded_usage_through(store: RolloutStore, run_id: str) -> int:
+    """The newest learner step of ``run_id`` in the store's usage log (-1: none)."""
+    t = store.sql("SELECT max(learner_step) AS s FROM usage WHERE run_id = ?", [run_id])
+    value = t["s"][0].as_py()
+    return -1 if value is None else int(value)
 
 
 def load_learner_model(cfg: TrainConfig, model_dir: Path) -> tuple[Any, Any]:
@@ -207,10 +218,24 @@ def _import_sources(store: RolloutStore, sources, run_id: str, tokenizer) -> Non
 
     fingerprint = tokenizer_fingerprint(tokenizer)
     for imp in import_sources(store, sources, run_id=run_id, fingerprint=fingerprint):
+        via = f"run {imp['via']!r}'s" if imp.get("via") else "its"
         print(
             f"replaying {imp['rollouts']} rollouts of run {imp['run_id']!r} from "
-            f"{imp['source']} (its version {imp['parent_version']} -> this run's -1)"
+            f"{imp['source']} ({via} version {imp['parent_version']} -> this run's -1)"
         )
+
+
+def report_sources(cfg: TrainConfig, store: RolloutStore, run_id: str, metrics) -> None:
+    """A run with ``[run] sources``, at its start: one line and a ``sources`` metrics record
+    saying how many imported rows its staleness bound lets it draw, and until which step."""
+    from trainer.run.sources import source_usage, source_usage_line
+
+    if not cfg.run.sources:
+        return
+    rep = source_usage(store, run_id, cfg.replay.max_staleness, cfg.run.steps)
+    if rep is not None:
+        print(source_usage_line(rep), flush=True)
+        metrics.log("sources", 0, rep)
 
 
 def learner_loss_config(cfg: TrainConfig) -> LossConfig:
@@ -238,6 +263,31 @@ def build_learner(cfg: TrainConfig, model, device: torch.device) -> Learner:
         compute_dtype=resolve_dtype(mc.dtype, device),
         gradient_checkpointing=mc.gradient_checkpointing,
     )
+
+
+def check_start(cfg: TrainConfig) -> None:
+    """The config's files and names, checked before anything is created (each refusal one
+    line naming the key and the fix): the model folder, device and dtype, the task (its name,
+    options and files) and the replay sources."""
+    from trainer.models.load import check_model
+    from trainer.run.sources import check_sources
+
+    check_model(cfg.model)
+    cfg.task.build()
+    check_sources(cfg.run.sources, cfg.model.path)
+
+
+@contextlib.contextmanager
+def removed_on_failure(run_dir: Path, *, resume: bool, main: bool = True) -> Iterator[None]:
+    """Around a run's setup: a fresh run's folder that this start created is removed again
+    when the setup fails (a failed start leaves no half-made run behind)."""
+    fresh = main and not resume and not run_dir.exists()
+    try:
+        yield
+    except BaseException:
+        if fresh:
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
 
 
 def run_meta(run_dir: Path, cfg: TrainConfig, resume: bool) -> dict[str, Any]:

@@ -42,7 +42,6 @@ from rolloutstore import RolloutStore
 from trainer.config import TrainConfig
 from trainer.control import ReplayController
 from trainer.errors import RunDirError
-from trainer.models.load import check_model
 from trainer.rollout.pipeline import RoundIds, generate_rollouts, resolve_backend
 from trainer.rollout.policy import LivePolicy
 from trainer.rollout.weights import publish_weights
@@ -55,9 +54,12 @@ from trainer.run.metrics import Metrics
 from trainer.run.resume import check_resume, check_resume_store
 from trainer.run.setup import (
     TrainResult,
+    check_start,
     check_world_size,
     evaluate,
     prepare_model,
+    removed_on_failure,
+    report_sources,
     run_meta,
     setup_learner,
     store_location,
@@ -73,7 +75,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> T
     if resume:  # [optim] / [model] changes a resume cannot apply: refused, nothing written
         check_resume(cfg)
         check_resume_store(cfg.run.dir, *store_location(cfg, Path(cfg.run.dir)))
-    check_model(cfg.model)  # folder, device, dtype: refused before any run state is written
+    check_start(cfg)  # model, task, sources: refused before any run state is written
     if cfg.run.fsdp and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         raise RunDirError(
             "run.fsdp = true shards the learner across torchrun ranks (sync mode); start with "
@@ -99,7 +101,9 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> T
         )
     d = dist_from_env()
     try:
-        return SyncLoop(cfg, d, resume=resume).run(progress=progress)
+        with removed_on_failure(Path(cfg.run.dir), resume=resume, main=d.is_main):
+            loop = SyncLoop(cfg, d, resume=resume)
+        return loop.run(progress=progress)
     finally:
         d.close()
 
@@ -164,7 +168,9 @@ class SyncLoop(Loop):
                 backend, cfg.generation, self.task, self.model_dir, run_dir / "weights",
                 self.run_id, seed=r.seed, trust_remote_code=cfg.model.trust_remote_code,
             )  # fmt: skip
-            self.metrics = Metrics(run_dir)
+            self.metrics = Metrics(run_dir, state)  # records after the checkpoint dropped
+            if state is None:  # from step 0: what the imported rows give this run
+                report_sources(cfg, self.store, self.run_id, self.metrics)
         self.last_eval = self.first_eval
         # The newest round's mean reward: the policy's own, beside the replayed batch's.
         self.policy_reward: float | None = None
@@ -288,6 +294,7 @@ class SyncLoop(Loop):
             save_run_checkpoint(
                 self.run_dir, self.step, self.cfg, learner, self.loader, self.store,
                 self.totals, self.first_eval, self.state_dict()["schedule"], learner_state,
+                metrics_records=self.metrics.records,
             )  # fmt: skip
 
     def finish(self) -> None:
