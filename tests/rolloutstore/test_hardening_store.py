@@ -291,7 +291,8 @@ def test_any_recorded_schema_version_opens_or_is_one_schema_error(marked, value)
         opened = RolloutStore.open(marked.uri, create=False)
     except SchemaError as exc:
         assert "\n" not in str(exc) and "schema" in str(exc)
-        assert value.strip() not in ("1", "2") or not value.isascii()
+        # only ASCII digits naming a readable version open ("1\r" or " 2" are damaged marks)
+        assert not (value.isascii() and value.isdigit() and int(value) in (1, 2))
     else:
         assert opened.schema_version == int(value) and int(value) in (1, 2)
     finally:

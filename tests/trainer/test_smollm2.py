@@ -21,7 +21,7 @@ import json
 
 import pytest
 import torch
-from helpers import require_peft, require_vllm, run_draws
+from helpers import inject_fault, require_peft, require_vllm, run_draws
 from safetensors.torch import load_file
 
 import trainer.run.sync as T
@@ -185,7 +185,7 @@ def test_resume_equals_the_uninterrupted_run(tmp_path, monkeypatch, hf_run, smol
 
     cfg = _config(smollm2_dir, tmp_path / "run", backend="hf", dtype="float32", steps=2)
     with monkeypatch.context() as m:
-        m.setattr(T, "crash_at", fault)
+        inject_fault(m, fault)
         with pytest.raises(Killed):
             T.train(cfg, progress=False)
     T.train(cfg, resume=True, progress=False)

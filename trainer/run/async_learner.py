@@ -252,9 +252,11 @@ class AsyncLoop(Loop):
         return evaluate(self.generator, self.task, self.cfg)
 
     def checkpoint(self) -> None:
+        # No record count: the actors append their own records to metrics.jsonl, so a count of
+        # the learner's lines would cut theirs and ours short; a resume keeps records by step.
         save_run_checkpoint(
             self.run_dir, self.step, self.cfg, self.learner, self.loader, self.store,
-            self.totals, self.first_eval, metrics_records=self.metrics.records,
+            self.totals, self.first_eval,
         )  # fmt: skip
 
     def close(self) -> None:

@@ -54,7 +54,8 @@ class Metrics:
             n = resume.get("metrics_records")
             if n is not None:  # all written before the checkpoint, so whole lines
                 kept = [json.loads(x) for x in lines[: int(n)]]
-            else:  # an older checkpoint: before its step, and its step's train / eval records
+            else:  # by step (async runs, whose actors write here too; older checkpoints):
+                # records before the checkpoint's step, and its step's train / eval records
                 step = int(resume["step"])
                 kept = [
                     r

@@ -172,8 +172,6 @@ class SyncLoop(Loop):
             if state is None:  # from step 0: what the imported rows give this run
                 report_sources(cfg, self.store, self.run_id, self.metrics)
         self.last_eval = self.first_eval
-        # The newest round's mean reward: the policy's own, beside the replayed batch's.
-        self.policy_reward: float | None = None
 
     # -- state -------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -185,6 +183,7 @@ class SyncLoop(Loop):
                 "next_round_step": self.next_round,
                 "round": self.rnd,
                 "control": self.controller.state_dict() if self.controller else None,
+                "policy_reward": self.policy_reward,
             },
         }
 
@@ -202,6 +201,9 @@ class SyncLoop(Loop):
         self.rnd = -(-self.step // upr)  # checkpoints without a schedule: fixed y
         self.next_round = self.rnd * upr
         sched = state.get("schedule")
+        # The newest round's mean reward: the policy's own, beside the replayed batch's (a
+        # resume restores it, so records before the next round carry it as the run's did).
+        self.policy_reward: float | None = (sched or {}).get("policy_reward")
         if sched is not None:
             self.next_round, self.rnd = sched["next_round_step"], sched["round"]
             if self.controller is not None and sched.get("control") is not None:
@@ -271,7 +273,7 @@ class SyncLoop(Loop):
             learner_ranks=self.d.world_size,
             **self.totals,
         )
-        if self.policy_reward is not None:  # None until this process generated a round
+        if self.policy_reward is not None:  # None before the run's first round
             m["policy_reward"] = float(self.policy_reward)
         if batch.get("no_embedding") is not None:  # diversity="embedding": rows it fell back on
             m["no_embedding"] = int(batch["no_embedding"])
