@@ -72,6 +72,16 @@ def _anchors(path: Path) -> set[str]:
     return {s if i == 0 else f"{s}-{i}" for s, n in seen.items() for i in range(n)}
 
 
+def _run_all(commands: list[str], cwd: Path, env: dict) -> list[str]:
+    """Run each shell command in order, each must succeed; their stdouts."""
+    out = []
+    for cmd in commands:
+        p = subprocess.run(cmd, shell=True, cwd=cwd, env=env, capture_output=True, text=True)
+        assert p.returncode == 0, f"{cmd}\n{p.stdout}\n{p.stderr}"
+        out.append(p.stdout)
+    return out
+
+
 def test_relative_links_resolve():
     """Every relative link of the README and docs/ names a file that exists, and an anchor
     into a Markdown file names one of its headings."""
@@ -94,10 +104,8 @@ def test_cli_tour_runs_as_written(tmp_path):
     commands = [c for c in _block("<!-- tour", "bash", CLI).splitlines() if c.strip()]
     assert len(commands) >= 10
     out = {}
-    for cmd in commands:
-        p = subprocess.run(cmd, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True)
-        assert p.returncode == 0, f"{cmd}\n{p.stdout}\n{p.stderr}"
-        out.setdefault(" ".join(cmd.split()[:2]), []).append(p.stdout)
+    for cmd, stdout in zip(commands, _run_all(commands, tmp_path, env)):
+        out.setdefault(" ".join(cmd.split()[:2]), []).append(stdout)
     assert "generated 64 rollouts" in out["rolloutstore-train generate"][0]
     assert "rollouts   2,000 in" in out["rolloutstore stats"][0]  # stats after the ingest
     assert '{"n": 2000}' in out["rolloutstore sql"][-1]  # the query of version 2
@@ -122,11 +130,7 @@ def test_python_examples_run(tmp_path, monkeypatch):
     env = _env()
     commands = [c for c in _block("<!-- look-inside", "bash").splitlines() if c.strip()]
     assert len(commands) == 3
-    out = []
-    for cmd in commands:
-        p = subprocess.run(cmd, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True)
-        assert p.returncode == 0, f"{cmd}\n{p.stdout}\n{p.stderr}"
-        out.append(p.stdout)
+    out = _run_all(commands, tmp_path, env)
     assert "rollouts   1 in 1 groups" in out[0]
     assert "policy_version" in out[1] and "(1 rows)" in out[1]
     assert "<rollout_id>" in out[2] and "(1 rows)" in out[2]  # the example's record_usage
@@ -161,10 +165,8 @@ def test_own_model_and_data_runs_as_written(tmp_path):
     env = _env(repo_on_path=True)
     commands = [c for c in _block("<!-- own-data", "bash", TRAINING).splitlines() if c.strip()]
     assert len(commands) == 4
-    for cmd in commands:
-        p = subprocess.run(cmd, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True)
-        assert p.returncode == 0, f"{cmd}\n{p.stdout}\n{p.stderr}"
-    rows = [json.loads(line) for line in p.stdout.splitlines()]
+    last = _run_all(commands, tmp_path, env)[-1]
+    rows = [json.loads(line) for line in last.splitlines()]
     assert len(rows) == 2
     for row in rows:
         assert row["prompt_text"].startswith("<|user|>\n")  # the tiny model's chat template
@@ -181,11 +183,7 @@ def test_multiturn_commands_run_as_written(tmp_path):
     env = _env(repo_on_path=True)
     commands = [c for c in _block("<!-- multiturn", "bash", MULTITURN).splitlines() if c.strip()]
     assert len(commands) == 7
-    out = []
-    for cmd in commands:
-        p = subprocess.run(cmd, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True)
-        assert p.returncode == 0, f"{cmd}\n{p.stdout}\n{p.stderr}"
-        out.append(p.stdout)
+    out = _run_all(commands, tmp_path, env)
     assert "ingested 4 rollouts" in out[1]
     assert "calculator" in out[2] and "(4 rows)" in out[2]
     assert "tool" in out[3] and "user" in out[3]
