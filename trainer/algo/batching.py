@@ -1,7 +1,7 @@
 """Splitting a replay batch (padded or packed) into micro-batches, and unpacking packed rows.
 
 A padded batch splits along sequences; a packed one along ``cu_seqlens``. Per-sequence keys
-(``_SEQ_KEYS``) follow their sequences; per-token keys their tokens; ``(n, L-1)`` per-sequence
+(``SEQUENCE_KEYS``) follow their sequences; per-token keys their tokens; ``(n, L-1)`` per-sequence
 grids (``_GRID_KEYS``, e.g. the learner's pi_old log-probs) their rows. ``select_sequences``
 takes any subset of a batch's sequences (the learner's PPO mini-batches).
 """
@@ -14,10 +14,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from rolloutstore.replay.collate import SEQUENCE_KEYS as _SEQ_KEYS
-from rolloutstore.replay.collate import TARGET_KEYS as _TARGET_KEYS
-from rolloutstore.replay.collate import TOKEN_KEYS as _TOKEN_KEYS
-from rolloutstore.replay.collate import micro_batches
+from rolloutstore.replay.collate import SEQUENCE_KEYS, TARGET_KEYS, TOKEN_KEYS, micro_batches
 
 # Per-sequence (n, L-1) grids in the unpacked layout (row i: sequence i's target columns),
 # added by the learner (its pi_old log-probs); the rest are the loader's keys.
@@ -42,9 +39,9 @@ def sequence_lengths(batch: dict[str, Any]) -> np.ndarray:
 def _select_padded(batch: dict[str, Any], idx: np.ndarray, lengths: np.ndarray) -> dict:
     width = int(lengths[idx].max())
     ix = torch.from_numpy(np.asarray(idx, dtype=np.int64))
-    mb = {k: batch[k][ix, :width] for k in _TOKEN_KEYS}
-    mb.update({k: batch[k][ix, : width - 1] for k in _TARGET_KEYS})
-    mb.update({k: batch[k][ix] for k in _SEQ_KEYS if k in batch})
+    mb = {k: batch[k][ix, :width] for k in TOKEN_KEYS}
+    mb.update({k: batch[k][ix, : width - 1] for k in TARGET_KEYS})
+    mb.update({k: batch[k][ix] for k in SEQUENCE_KEYS if k in batch})
     mb.update({k: batch[k][ix, : width - 1] for k in _GRID_KEYS if k in batch})
     return mb
 
@@ -62,13 +59,13 @@ def select_sequences(batch: dict[str, Any], idx: np.ndarray) -> dict[str, Any]:
         return _select_padded(batch, idx, lengths)
     cu = batch["cu_seqlens"].long().cpu().numpy()
     tok = torch.from_numpy(np.concatenate([np.arange(cu[i], cu[i + 1]) for i in idx]))
-    mb = {k: batch[k][:, tok] for k in _TOKEN_KEYS}
+    mb = {k: batch[k][:, tok] for k in TOKEN_KEYS}
     # New target column j scores new token j+1: the old column tok[j+1] - 1. Where j+1 starts
     # a sequence that column belongs to another one, but packed_target_mask drops it anyway.
     col = torch.clamp(tok[1:] - 1, min=0)
-    mb.update({k: batch[k][:, col] for k in _TARGET_KEYS})
+    mb.update({k: batch[k][:, col] for k in TARGET_KEYS})
     ix = torch.from_numpy(np.asarray(idx, dtype=np.int64))
-    mb.update({k: batch[k][ix] for k in _SEQ_KEYS if k in batch})
+    mb.update({k: batch[k][ix] for k in SEQUENCE_KEYS if k in batch})
     width = int(lengths[idx].max()) - 1
     mb.update({k: batch[k][ix, :width] for k in _GRID_KEYS if k in batch})
     cu_new = np.zeros(len(idx) + 1, np.int32)
@@ -84,11 +81,11 @@ def split_packed(batch: dict[str, Any], max_tokens: int) -> list[dict[str, Any]]
     for idx in micro_batches(np.diff(cu), max_tokens):
         i, j = int(idx[0]), int(idx[-1]) + 1  # sequences i..j-1, tokens cu[i]..cu[j]-1
         a, b = int(cu[i]), int(cu[j])
-        mb = {k: batch[k][:, a:b] for k in _TOKEN_KEYS}
+        mb = {k: batch[k][:, a:b] for k in TOKEN_KEYS}
         # Target column t scores token t+1: tokens a..b-1 are scored by columns a-1..b-2, and
         # column a-1 (scoring sequence i's first token from the previous one) is masked anyway.
-        mb.update({k: batch[k][:, a : b - 1] for k in _TARGET_KEYS})
-        mb.update({k: batch[k][i:j] for k in _SEQ_KEYS if k in batch})
+        mb.update({k: batch[k][:, a : b - 1] for k in TARGET_KEYS})
+        mb.update({k: batch[k][i:j] for k in SEQUENCE_KEYS if k in batch})
         mb["cu_seqlens"] = torch.from_numpy((cu[i : j + 1] - a).astype(np.int32))
         out.append(mb)
     return out
