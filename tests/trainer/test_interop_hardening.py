@@ -144,8 +144,8 @@ def test_trl_tool_completion_is_a_trajectory(tmp_path, model_dir, capsys):
                          name="c.parquet")  # fmt: skip
     assert rc == 0, capsys.readouterr().err
     (r,) = RolloutStore.open(uri).sql("SELECT * FROM rollouts").to_pylist()
-    assert r["num_turns"] == 3 and [t["role"] for t in r["turns"]] == ["assistant", "tool",
-                                                                         "assistant"]
+    assert r["num_turns"] == 3
+    assert [t["role"] for t in r["turns"]] == ["assistant", "tool", "assistant"]
     assert r["turns"][1]["tool_name"] == "calculator"
     tool = r["turns"][1]
     assert set(r["loss_mask"][tool["start"] : tool["end"]]) == {0}  # the tool's text: no loss
