@@ -247,9 +247,15 @@ def _text(row: Mapping[str, Any], key: str, check: Check, nonempty: bool = False
     return v
 
 
-def _finite(v: float, key: str) -> float:
-    if not math.isfinite(v):
-        raise ValidationError(f"expected a finite number, found {v!r}", field=key)
+FLOAT32_MAX = 3.4028234663852886e38  # rewards and advantages are stored as float32
+
+
+def _finite(v: float, key: str, shown: Any = None) -> float:
+    if not abs(v) <= FLOAT32_MAX:  # also NaN
+        raise ValidationError(
+            f"expected a finite number (|x| <= 3.4e38, float32), found {_show(shown or v)}",
+            field=key,
+        )
     return v
 
 
@@ -264,7 +270,7 @@ def _number(row: Mapping[str, Any], key: str) -> float | None:
     try:
         return _finite(float(v), key)
     except OverflowError:  # an integer beyond float range
-        raise ValidationError(f"expected a finite number, found {_show(v)}", field=key) from None
+        return _finite(math.inf, key, shown=v)
 
 
 INT64 = 2**63

@@ -2,7 +2,7 @@
 3, 4, 5, 11, 18): text never becomes control tokens and every role is checked; TRL tool
 completions are trajectories; re-importing a file with --on-duplicate skip is a no-op; bad
 values (rewards, steps, content, group ids, Unicode, nesting) are one `error:` line naming
-the line and field, with nothing written."""
+the line and field, with nothing written. (chatml_dir: tests/trainer/conftest.py.)"""
 
 from __future__ import annotations
 
@@ -18,31 +18,11 @@ from rolloutstore import RolloutStore
 from trainer.cli import main
 from trainer.models.tiny import make_tiny_model
 
-# ChatML, as SmolLM2 / Qwen write it: the turn markers are special tokens.
-CHATML = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("tiny") / "model"
     make_tiny_model(path, num_layers=1, num_texts=300, chat_template=True)
-    return path
-
-
-@pytest.fixture(scope="module")
-def chatml_dir(tmp_path_factory) -> Path:
-    """The tiny model with two of its reserved special tokens renamed <|im_start|> and
-    <|im_end|> and a ChatML template: a real special-token chat format, same vocabulary."""
-    path = tmp_path_factory.mktemp("chatml") / "model"
-    make_tiny_model(path, num_layers=1, num_texts=300, chat_template=CHATML)
-    spec = json.loads((path / "tokenizer.json").read_text())
-    names = {"<|reserved_0|>": "<|im_start|>", "<|reserved_1|>": "<|im_end|>"}
-    for t in spec["added_tokens"]:
-        t["content"] = names.get(t["content"], t["content"])
-    (path / "tokenizer.json").write_text(json.dumps(spec))
     return path
 
 
@@ -198,7 +178,8 @@ OAI = '{"reward": 1.0, "messages": [{"role": "user", "content": %s}, {"role": "a
     "source, line, field",
     [
         *[("verl", VERL + f', "score": {v}}}', "score")
-          for v in ['"abc"', "[1]", '{"a": 1}', "NaN", "Infinity", "-Infinity", "1e400", "true"]],
+          for v in ['"abc"', "[1]", '{"a": 1}', "NaN", "Infinity", "-Infinity", "1e400", "true",
+                    "1e300", "1" + "0" * 400]],
         ("verl", VERL + ', "step": NaN}', "step"),
         ("verl", VERL + ', "step": Infinity}', "step"),
         ("verl", VERL + ', "input": ""}', "input"),
