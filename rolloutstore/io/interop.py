@@ -26,7 +26,16 @@ prompt is the messages before the first assistant turn, the completion everythin
 it, with ``loss_mask`` 1 on the assistant turns' tokens only and ``turns`` filled; the
 transformer places the token boundaries (trainer/rollout/text_import.py documents how).
 The completion's messages are kept in ``metadata.completion_messages`` (beside the prompt's
-``metadata.messages``) for ``export --as messages``.
+``metadata.messages``) for ``export --as messages``. A TRL conversational completion with tool
+turns takes the same path.
+
+Every field a preset reads is checked before use (pass 1 refuses before anything is written):
+rewards and advantages are null or finite float32 numbers, steps integers, prompts non-empty
+text, message roles one of :data:`ROLES`, message content text (a string, or OpenAI content
+parts that are all text), group ids strings or integers, every string valid Unicode; and text
+that will be tokenized must not hold one of the tokenizer's control tokens (the transformer's
+``control_token_in``). Rows without a ``rollout_id`` get one from their content
+(:meth:`TextImporter.content_id`), so ``--on-duplicate skip`` makes a re-import a no-op.
 """
 
 from __future__ import annotations
