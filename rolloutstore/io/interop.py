@@ -453,16 +453,13 @@ class TextImporter:
 
     def content_id(self, row: dict[str, Any], occurrence: int, ordinal: int) -> str:
         """The rollout id of a row without one: a UUIDv7-shaped hash of the source format,
-        the row's canonical JSON and how many identical rows came before it in the file.
-        Re-importing a file (``--on-duplicate skip``) is then a no-op, and two identical
-        rows of one file are still two rollouts. The time field is 0: the sampling time of
-        an imported rollout is unknown."""
-        return deterministic_uuid7(f"import/{self._content_key(row, ordinal)}/{occurrence}", 0)
-
-    def _content_key(self, row: dict[str, Any], ordinal: int) -> str:
+        the row's canonical JSON and ``occurrence``, how many identical rows came before it
+        in the file. Re-importing a file (``--on-duplicate skip``) is then a no-op, and two
+        identical rows of one file are still two rollouts. The time field is 0: the
+        sampling time of an imported rollout is unknown."""
         blob = _dumps(row, ordinal, sort_keys=True, separators=(",", ":"), default=repr)
         digest = hashlib.blake2b(blob.encode("utf-8"), digest_size=16).hexdigest()
-        return f"{self.options.source}/{digest}"
+        return deterministic_uuid7(f"import/{self.options.source}/{digest}/{occurrence}", 0)
 
     def scan(self, rows: Iterable[dict[str, Any]]) -> None:
         counts: dict[str, int] = {}
@@ -475,9 +472,10 @@ class TextImporter:
             self.group_ids.append(gid)
             self.sample_index.append(counts.get(gid, 0))
             counts[gid] = counts.get(gid, 0) + 1
-            key = self._content_key(raw, i)
-            self.rollout_ids.append(self.content_id(raw, copies.get(key, 0), i))
-            copies[key] = copies.get(key, 0) + 1
+            first = self.content_id(raw, 0, i)  # the same for identical rows
+            n = copies.get(first, 0)
+            self.rollout_ids.append(self.content_id(raw, n, i) if n else first)
+            copies[first] = n + 1
             rewards.append(t.get("reward"))
             given.append(t.get("advantage"))
         self.advantage = list(given)

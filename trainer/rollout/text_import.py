@@ -123,20 +123,29 @@ class TextRowTransformer:
     def _encode_rendered(self, text: str, i: int) -> list[int]:
         """Ids of a chat-template rendering (control tokens parsed: the template's own), checked
         to hold as many control tokens as the text has control-token strings (plus what the
-        tokenizer itself adds, e.g. BOS): content was refused if it held any."""
+        tokenizer itself adds, e.g. BOS, when the text does not start with it): content was
+        refused if it held any."""
         ids = encode_prompt(self.tokenizer, text)
         raw, normalized, control = self._control_patterns()
         found = sum(1 for t in ids if t in control)
-        added = len(ids) - len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
         want = len(raw.findall(text)) + (len(normalized.findall(text)) if normalized else 0)
-        if found != want + added:
+        bos = getattr(self.tokenizer, "bos_token", None)
+        if not (isinstance(bos, str) and bos and text.startswith(bos)):  # as encode_prompt adds
+            want += self._added_count()
+        if found != want:
             raise self._error(
                 f"the chat template's rendering tokenizes to {found} control tokens where its "
-                f"text holds {want + added}: text would have become control tokens",
+                f"text holds {want}: text would have become control tokens",
                 row=i,
                 field="messages",
             )
         return ids
+
+    def _added_count(self) -> int:
+        """How many tokens (BOS, ...) the tokenizer adds around a text of its own accord."""
+        if getattr(self, "_added", None) is None:
+            self._added = len(self.tokenizer("", add_special_tokens=True)["input_ids"])
+        return self._added
 
     def _prompt_ids(self, row: dict[str, Any], i: int) -> tuple[str, list[int]]:
         messages = row.pop("prompt_messages", None)
