@@ -78,7 +78,11 @@ ROWS = {
             ),
             "reward": _field(st.floats(-2, 2)),
         },
-        optional={"advantage": _field(st.floats(-1, 1)), "finish_reason": JSON},
+        optional={
+            "advantage": _field(st.floats(-1, 1)),
+            "finish_reason": JSON,
+            "rollout_id": _field(st.sampled_from(["r1", "r2"])),
+        },
     ),  # fmt: skip
     "trl": st.fixed_dictionaries(
         {
