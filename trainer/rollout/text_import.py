@@ -27,6 +27,7 @@ kept on mask-1 tokens only (0.0 elsewhere: no log-prob on environment tokens).
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import numpy as np
@@ -39,6 +40,12 @@ from trainer.tasks.base import Prompt
 from trainer.tasks.chat import encode_prompt, render_prompts
 
 LOGPROBS_MODE = "recomputed"
+
+
+def _alternation(tokens: set[str]) -> re.Pattern:
+    """One regex matching any of ``tokens``, longest first (as the tokenizer matches them)."""
+    words = sorted(filter(None, tokens), key=len, reverse=True)
+    return re.compile("|".join(map(re.escape, words)) if words else "(?!)")
 
 
 class TextRowTransformer:
@@ -77,18 +84,81 @@ class TextRowTransformer:
     def advantages(self, rewards: np.ndarray, group_ids: np.ndarray, mode: str) -> np.ndarray:
         return group_advantages(rewards, group_ids, mode=mode)
 
+    # -- text never becomes control tokens ----------------------------------------------------
+    # Two ways to keep imported text from turning into control tokens (<|im_end|>, EOS): refuse
+    # text holding a control token's string, or render and then check that the ids' control
+    # tokens sit exactly where the template put its own. The second needs the template's own
+    # positions, which a template that branches on or trims content (Qwen3's <think> handling,
+    # `content | trim`) makes unknowable short of re-implementing it; the first is exact, names
+    # the field and the token, and costs one regex search per text. So: refuse (the importer
+    # calls control_token_in on every text it reads, before anything is tokenized), tokenize
+    # plain text with special-token parsing off anyway, and count a rendering's control tokens
+    # against its text as a last check on the tokenizer.
+    def _control_patterns(self) -> tuple[re.Pattern, re.Pattern | None, frozenset[int]]:
+        if getattr(self, "_controls", None) is None:
+            special = [t for t in self.tokenizer.added_tokens_decoder.values() if t.special]
+            raw = {t.content for t in special if not t.normalized}
+            raw |= set(self.tokenizer.all_special_tokens) - {t.content for t in special}
+            normalized = {t.content for t in special if t.normalized}
+            ids = self.tokenizer.convert_tokens_to_ids(sorted(raw | normalized))
+            self._controls = (_alternation(raw), _alternation(normalized) if normalized else None,
+                              frozenset(ids))  # fmt: skip
+        return self._controls
+
+    def control_token_in(self, text: str) -> str | None:
+        """The first control (special) token string ``text`` holds, else None; tokens the
+        tokenizer matches after normalization are looked for in the normalized text."""
+        raw, normalized, _ = self._control_patterns()
+        m = raw.search(text)
+        if m is None and normalized is not None:
+            norm = getattr(getattr(self.tokenizer, "backend_tokenizer", None), "normalizer", None)
+            m = normalized.search(norm.normalize_str(text) if norm is not None else text)
+        return None if m is None else m.group(0)
+
+    def _encode_text(self, text: str, special: bool) -> list[int]:
+        """Ids of user text, special-token parsing off: a control token's string stays text."""
+        ids = self.tokenizer(text, add_special_tokens=special, split_special_tokens=True)
+        return list(ids["input_ids"])
+
+    def _encode_rendered(self, text: str, i: int) -> list[int]:
+        """Ids of a chat-template rendering (control tokens parsed: the template's own), checked
+        to hold as many control tokens as the text has control-token strings (plus what the
+        tokenizer itself adds, e.g. BOS, when the text does not start with it): content was
+        refused if it held any."""
+        ids = encode_prompt(self.tokenizer, text)
+        raw, normalized, control = self._control_patterns()
+        found = sum(1 for t in ids if t in control)
+        want = len(raw.findall(text)) + (len(normalized.findall(text)) if normalized else 0)
+        bos = getattr(self.tokenizer, "bos_token", None)
+        if not (isinstance(bos, str) and bos and text.startswith(bos)):  # as encode_prompt adds
+            want += self._added_count()
+        if found != want:
+            raise self._error(
+                f"the chat template's rendering tokenizes to {found} control tokens where its "
+                f"text holds {want}: text would have become control tokens",
+                row=i,
+                field="messages",
+            )
+        return ids
+
+    def _added_count(self) -> int:
+        """How many tokens (BOS, ...) the tokenizer adds around a text of its own accord."""
+        if getattr(self, "_added", None) is None:
+            self._added = len(self.tokenizer("", add_special_tokens=True)["input_ids"])
+        return self._added
+
     def _prompt_ids(self, row: dict[str, Any], i: int) -> tuple[str, list[int]]:
         messages = row.pop("prompt_messages", None)
         text = row.pop("prompt", None)
         if messages is None and not self.options.chat_template:
-            return text, encode_prompt(self.tokenizer, text)
+            return text, self._encode_text(text, True)
         prompt = Prompt(text or "", "", messages=tuple(messages) if messages else None)
         try:
             (rendered,) = render_prompts(self.tokenizer, [prompt], True)
         except Exception as exc:  # no template, or one that cannot render these turns
             raise self._error(f"cannot render the prompt with the chat template: {exc}", row=i,
                               field="prompt") from exc  # fmt: skip
-        return rendered.prompt_text, encode_prompt(self.tokenizer, rendered.prompt_text)
+        return rendered.prompt_text, self._encode_rendered(rendered.prompt_text, i)
 
     def _render(self, messages: list[dict], generation_prompt: bool, i: int) -> str:
         try:
@@ -107,15 +177,15 @@ class TextRowTransformer:
         row.pop("prompt", None)
         prompt_text = self._render(prompt, True, i)
         full = self._render(prompt + done, False, i)
-        full_ids = encode_prompt(self.tokenizer, full)
-        prompt_ids = encode_prompt(self.tokenizer, prompt_text)
+        full_ids = self._encode_rendered(full, i)
+        prompt_ids = self._encode_rendered(prompt_text, i)
         bounds = [0]
         for j in range(1, len(done) + 1):
             if j == len(done):
                 text, ids = full, full_ids
             else:
                 text = self._render(prompt + done[:j], done[j]["role"] == "assistant", i)
-                ids = encode_prompt(self.tokenizer, text)
+                ids = self._encode_rendered(text, i)
             bound = len(ids) - len(prompt_ids)
             if not full.startswith(text) or full_ids[: len(ids)] != ids or bound < bounds[-1]:
                 raise self._error(
@@ -150,7 +220,10 @@ class TextRowTransformer:
     def _single(self, row: dict[str, Any], i: int) -> dict[str, Any]:
         prompt_text, prompt_ids = self._prompt_ids(row, i)
         completion = row.pop("completion")
-        completion_ids = list(self.tokenizer(completion, add_special_tokens=False)["input_ids"])
+        completion_ids = self._encode_text(completion, False)
+        if not prompt_ids:  # a text prompt that is empty (and no BOS token to stand for it)
+            raise self._error("empty prompt: the first completion token needs context",
+                              row=i, field="prompt")  # fmt: skip
         return {
             "prompt_text": prompt_text,
             "completion_text": completion,
