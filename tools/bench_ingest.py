@@ -57,9 +57,7 @@ def row_at_a_time(tr: TextRowTransformer, rows: list[dict]) -> list[torch.Tensor
     with torch.no_grad():
         for i, row in enumerate(rows):
             t = tr._single(dict(row), i)
-            out.append(
-                teacher_forced_logprobs(tr.model, t["prompt_ids"], t["completion_ids"], 1.0)
-            )
+            out.append(teacher_forced_logprobs(tr.model, t["prompt_ids"], t["completion_ids"], 1.0))
     return out
 
 
