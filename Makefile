@@ -65,6 +65,7 @@ bench: $(STAMP) smollm2
 	$(PY) tools/bench_logprob_gap.py
 	$(PY) tools/bench_retention.py
 	$(PY) tools/bench_scaling.py
+	$(PY) tools/bench_ingest.py
 
 clean:
 	rm -rf runs bench_out .pytest_cache .hypothesis

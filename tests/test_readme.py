@@ -17,6 +17,7 @@ DOCS = ROOT / "docs"
 CLI = DOCS / "cli.md"  # the CLI tour
 TRAINING = DOCS / "training.md"  # Replay; Your own model and data
 MULTITURN = DOCS / "multiturn.md"
+IMPORT = DOCS / "import.md"  # bring your own rollouts
 
 
 def _block(after: str, lang: str, doc: Path = README) -> str:
@@ -193,3 +194,29 @@ def test_multiturn_commands_run_as_written(tmp_path):
     chats = [json.loads(line) for line in (tmp_path / "runs/agent/chats.jsonl").open()]
     assert {m["role"] for c in chats for m in c["messages"]} == {"system", "user", "assistant",
                                                                   "tool"}  # fmt: skip
+
+
+def test_import_guide_runs_as_written(tmp_path, monkeypatch, capsys):
+    """The commands, the run config and the Python example of docs/import.md, from a folder
+    with the repository's tools and test data."""
+    (tmp_path / "tools").symlink_to(ROOT / "tools")
+    (tmp_path / "tests").symlink_to(ROOT / "tests")
+    (tmp_path / "imp.toml").write_text(_block("<!-- import", "toml", IMPORT))
+    env = _env(repo_on_path=True)
+    commands = [c for c in _block("<!-- import", "bash", IMPORT).splitlines() if c.strip()]
+    assert len(commands) == 10
+    out = _run_all(commands, tmp_path, env)
+    assert all(n in out[i] for i, n in ((1, "ingested 5"), (2, "ingested 4"), (3, "ingested 4")))
+    assert all(s in out[4] for s in ("import:verl", "import:trl", "import:openai", "recomputed"))
+    assert "replaying 13 rollouts of run 'default'" in out[5]
+    assert re.search(r"^default\s+13\s+\d+", out[6], flags=re.M) and "(2 rows)" in out[6]
+    assert "exported 8 rows (sft" in out[7] and "exported 5 rows (dpo" in out[8]
+    assert "exported 13 rows (messages" in out[9]
+    monkeypatch.chdir(tmp_path)
+    code = _block("**Train on the store directly**", "python", IMPORT)
+    exec(compile(code, "docs/import.md", "exec"), {})
+    steps = re.findall(
+        r"^step (\d): loss (\S+), approx_kl ([^,\s]+)", capsys.readouterr().out, re.M
+    )
+    assert [s[0] for s in steps] == ["0", "1", "2"]
+    assert float(steps[0][2]) == 0.0  # scored by the weights it trains: its own log-probs

@@ -32,7 +32,11 @@ def register_commands(subparsers: Any) -> None:
 
     add_generate_parser(subparsers)
     add_rescore_parser(subparsers)
-    add_ingest_parser(subparsers, transformer=row_transformer)
+    from rolloutstore.options import add_dataclass_args
+    from trainer.rollout.scoring import ScoringConfig
+
+    group = add_ingest_parser(subparsers, transformer=row_transformer)
+    add_dataclass_args(group, ScoringConfig, flags={"batch_tokens": "--score-batch-tokens"})
 
 
 def add_rescore_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -108,11 +112,18 @@ def task_scorer(task: Any, options: dict[str, Any] | None = None, mode: str = "g
     )
 
 
-def row_transformer(options: Any):
-    """The tokenizer + teacher-forced scorer of ``ingest --from`` (text rows to token rows)."""
+def row_transformer(options: Any, args: argparse.Namespace | None = None):
+    """The tokenizer + teacher-forced scorer of ``ingest --from`` (text rows to token rows),
+    with the ``--score-*`` flags of ``args``."""
+    from rolloutstore.options import dataclass_from_args
+    from trainer.rollout.scoring import ScoringConfig
     from trainer.rollout.text_import import TextRowTransformer
 
-    return TextRowTransformer(options)
+    try:
+        scoring = dataclass_from_args(ScoringConfig, args or argparse.Namespace())
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+    return TextRowTransformer(options, scoring)
 
 
 def _advantages(fn, mode: str, rewards, group_ids):

@@ -23,9 +23,14 @@ def cmd_init(a) -> None:
     )
 
 
-def cmd_ingest(a, transformer: Callable[[Any], Any] | None = None) -> None:
-    """``ingest``; ``transformer(options)`` (the trainer's) turns text rows into token rows."""
-    from rolloutstore.io.ingest import ingest_files
+def cmd_ingest(a, transformer: Callable[[Any, Any], Any] | None = None) -> None:
+    """``ingest``; ``transformer(options, args)`` (the trainer's) turns text rows into token
+    rows. Every input is checked before the transformer loads its model: the files, the flags,
+    the folders, the store's tokenizer."""
+    from rolloutstore.io.ingest import check_file, ingest_files
+
+    for f in a.files:
+        check_file(f)
 
     rename = {}
     for m in a.map:
@@ -39,8 +44,12 @@ def cmd_ingest(a, transformer: Callable[[Any], Any] | None = None) -> None:
         print(f"{r.path}: {r.rows} rollouts{skipped} (store version {r.version})")
 
     importer = _text_importer(a, transformer)
+    uri = store_path(a.store)
+    fingerprint = getattr(importer.transformer, "fingerprint", None) if importer else None
+    if fingerprint is not None:
+        _check_store_tokenizer(uri, fingerprint)
     store, results = ingest_files(
-        store_path(a.store),
+        uri,
         a.files,
         rename=rename,
         progress=not a.quiet,
@@ -105,7 +114,31 @@ def _text_importer(a, transformer):
             "--score-with MODEL_DIR to recompute them teacher-forced (and --tokenizer DIR "
             "if the model folder has no tokenizer)"
         )
-    return TextImporter(options, transformer(options))
+    return TextImporter(options, transformer(options, a))
+
+
+def _check_store_tokenizer(uri: str, fingerprint: str) -> None:
+    """Refuse text rows tokenized differently from the rows already stored: replay would mix
+    vocabularies (as ``[run] sources`` refuses). Rows without a fingerprint are not counted."""
+    from rolloutstore.errors import StoreNotFoundError
+    from rolloutstore.facade import RolloutStore
+
+    try:
+        store = RolloutStore.open(uri, create=False)
+    except StoreNotFoundError:
+        return  # ingest creates it
+    found = store.sql(
+        "SELECT DISTINCT tokenizer_fingerprint AS f FROM rollouts "
+        "WHERE tokenizer_fingerprint IS NOT NULL AND tokenizer_fingerprint <> ?",
+        [fingerprint],
+    )["f"].to_pylist()
+    if found:
+        raise UsageError(
+            f"store {uri} holds rows of tokenizer fingerprint(s) {sorted(found)}, these would "
+            f"carry {fingerprint!r} (the tokenizer of --tokenizer / --score-with): rollouts are "
+            "reused only with the same tokenizer; ingest into another store, or score with the "
+            "model and tokenizer the stored rows came from"
+        )
 
 
 def add_fill_commands(sub) -> None:
@@ -117,8 +150,9 @@ def add_fill_commands(sub) -> None:
     add_ingest_parser(sub)
 
 
-def add_ingest_parser(sub, transformer: Callable[[Any], Any] | None = None) -> None:
-    """``ingest`` (argparse declarations: long, but flat); ``transformer``: see cmd_ingest."""
+def add_ingest_parser(sub, transformer: Callable[[Any, Any], Any] | None = None):
+    """``ingest`` (argparse declarations: long, but flat); ``transformer``: see cmd_ingest.
+    Returns the text-import argument group (the trainer adds its scoring flags to it)."""
     p = sub.add_parser(
         "ingest", help="append JSONL / JSONL.zst / Parquet files (one commit per file)"
     )
@@ -174,3 +208,4 @@ def add_ingest_parser(sub, transformer: Callable[[Any], Any] | None = None) -> N
     )
     g.add_argument("--run-id", default=None, help="run_id for every row")  # fmt: skip
     p.set_defaults(func=functools.partial(cmd_ingest, transformer=transformer))
+    return g

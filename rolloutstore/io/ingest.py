@@ -60,7 +60,15 @@ def check_file(path: str) -> str:
         raise FileUnreadableError(path, "a file", "a directory", "pass the files inside it")
     if not os.path.isfile(path):
         raise FileUnreadableError(path, "a file", "nothing at that path", "check the path")
-    return _format(path)
+    fmt = _format(path)
+    try:
+        open(path, "rb").close()  # checked now, not after a scoring model has loaded
+    except OSError as exc:
+        raise FileUnreadableError(
+            path, "a readable file", f"one that cannot be opened ({exc.strerror})",
+            "check its permissions",
+        ) from exc  # fmt: skip
+    return fmt
 
 
 def _zstd_bytes(path: str) -> Iterator[bytes]:
@@ -212,6 +220,20 @@ def _imported(chunks: Iterator[list[dict]], importer: TextImporter) -> Iterator[
         start += len(chunk)
 
 
+def _scoring_bar(path: str, importer: TextImporter, progress: bool):
+    """A rows bar (rows/s) for a text import, told by the transformer after each scored batch
+    (``on_scored``, when it has one): scoring is the slow part, chunks take minutes each."""
+    from tqdm.auto import tqdm
+
+    bar = tqdm(
+        total=len(importer.group_ids), unit="rows", desc=f"scoring {os.path.basename(path)}",
+        disable=not progress, leave=False,
+    )  # fmt: skip
+    if hasattr(importer.transformer, "on_scored"):
+        importer.transformer.on_scored = bar.update
+    return bar
+
+
 def ingest_file(
     store: RolloutLog,
     path: str | os.PathLike,
@@ -239,7 +261,7 @@ def ingest_file(
         unit="B",
         unit_scale=True,
         desc=os.path.basename(path),
-        disable=not progress,
+        disable=not progress or importer is not None,  # a text import has a rows bar instead
         leave=False,
     ) as bar:
         if importer is None:
@@ -251,12 +273,15 @@ def ingest_file(
         else:
             chunks = _imported(_dict_chunks(path, fmt, [], rename, bar.update), importer)
         try:
-            if importer is not None:  # pass 1: groups, sample indices, advantages
+            if importer is None:
+                result: AppendResult = store.append(chunks, on_duplicate=on_duplicate)
+            else:  # pass 1: groups, sample indices, advantages; pass 2 scores and appends
                 rows = (
                     r for c in _dict_chunks(path, fmt, lines, rename, lambda n: None) for r in c
                 )
                 importer.scan(rows)
-            result: AppendResult = store.append(chunks, on_duplicate=on_duplicate)
+                with _scoring_bar(path, importer, progress):
+                    result = store.append(chunks, on_duplicate=on_duplicate)
         except IngestError:
             raise
         except ValidationError as exc:

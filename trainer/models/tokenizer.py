@@ -31,9 +31,10 @@ def _normalise_merges(merges: list[Any]) -> list[list[str]]:
     return [m.split(" ", 1) if isinstance(m, str) else list(m) for m in merges]
 
 
-def tokenizer_fingerprint(tokenizer_or_path: Any) -> str:
+def tokenizer_fingerprint(tokenizer_or_path: Any, *, chat_template: bool = True) -> str:
     """First 16 hex chars of a sha256 over the tokenizer's vocab, merges, special tokens and
-    chat template (when it has one).
+    chat template (when it has one; ``chat_template=False`` leaves it out: the fingerprint of
+    the vocabulary alone, which decides what each id means to a model).
 
     Accepts a ``PreTrainedTokenizerFast`` (or any HF fast tokenizer), a raw
     ``tokenizers.Tokenizer``, or a directory holding ``tokenizer.json`` (loaded locally only).
@@ -53,7 +54,7 @@ def tokenizer_fingerprint(tokenizer_or_path: Any) -> str:
     if backend is not None:
         for attr in _SPECIAL_ATTRS:
             specials[attr] = getattr(tok, attr, None)
-        template = _chat_template(tok)
+        template = _chat_template(tok) if chat_template else None
     elif hasattr(tok, "to_str"):
         backend = tok
     else:

@@ -4,7 +4,8 @@ rolloutstore maps another framework's rows to text rows and groups them
 (:mod:`rolloutstore.interop`); this module turns text into token ids with the
 tokenizer (chat messages, or text prompts with ``--chat-template``, are rendered with
 its chat template, the one path of :mod:`trainer.tasks.chat`) and recomputes the
-behaviour log-probs teacher-forced with the model (:func:`trainer.rollout.hf.teacher_forced_logprobs`
+behaviour log-probs teacher-forced with the model (:mod:`trainer.rollout.scoring`: checked
+model and tokenizer, batched, equal to :func:`trainer.rollout.hf.teacher_forced_logprobs`
 under the sampling settings given), recorded as ``logprobs_mode = "recomputed"``.
 Group advantages come from :func:`trainer.algo.advantage.group_advantages`.
 
@@ -28,14 +29,14 @@ kept on mask-1 tokens only (0.0 elsewhere: no log-prob on environment tokens).
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
 from trainer.algo.advantage import group_advantages
-from trainer.models.tokenizer import tokenizer_fingerprint
-from trainer.rollout.hf import teacher_forced_logprobs
+from trainer.rollout.scoring import ScoringConfig, ScoringModel
 from trainer.tasks.base import Prompt
 from trainer.tasks.chat import encode_prompt, render_prompts
 
@@ -49,9 +50,15 @@ def _alternation(tokens: set[str]) -> re.Pattern:
 
 
 class TextRowTransformer:
-    """Tokenizes and scores text rows; ``options`` is a ``rolloutstore.interop.TextImportOptions``."""
+    """Tokenizes and scores text rows; ``options`` is a ``rolloutstore.interop.TextImportOptions``.
 
-    def __init__(self, options: Any):
+    Every flag and folder is checked, and the tokenizer loaded, here; the model loads when the
+    first rows are scored (:class:`~trainer.rollout.scoring.ScoringModel`), so a bad file or a
+    refused store costs no model load. ``on_scored(n)``, when set (the ingest progress bar),
+    is told after each scored batch of n rows.
+    """
+
+    def __init__(self, options: Any, scoring: ScoringConfig | None = None):
         from rolloutstore.errors import ValidationError
 
         self._error = ValidationError
@@ -61,25 +68,17 @@ class TextRowTransformer:
                 f"ingest --from {options.source}: the file has no behaviour log-probs; pass "
                 "--score-with MODEL_DIR to recompute them teacher-forced"
             )
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        from trainer.models.load import check_model_dir, check_tokenizer_dir
-
-        # Both folders checked before anything loads (and before the store is opened).
-        model_dir = check_model_dir(
-            options.score_with, "--score-with", tokenizer=options.tokenizer is None
-        )
-        tok_dir = model_dir
-        if options.tokenizer is not None:
-            tok_dir = check_tokenizer_dir(options.tokenizer, "--tokenizer")
-        self.tokenizer = AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True)
-        self.fingerprint = tokenizer_fingerprint(self.tokenizer)
-        self.model = AutoModelForCausalLM.from_pretrained(
-            str(model_dir), local_files_only=True, dtype=torch.float32
-        ).eval()
+        self.scorer = ScoringModel(options.score_with, options.tokenizer, scoring)
+        self.tokenizer = self.scorer.tokenizer
+        self.fingerprint = self.scorer.fingerprint
+        self.on_scored: Callable[[int], None] | None = None
         import transformers
 
         self.generator = f"import:{options.source}/transformers/{transformers.__version__}"
+
+    @property
+    def model(self) -> Any:
+        return self.scorer.model
 
     def advantages(self, rewards: np.ndarray, group_ids: np.ndarray, mode: str) -> np.ndarray:
         return group_advantages(rewards, group_ids, mode=mode)
@@ -233,22 +232,24 @@ class TextRowTransformer:
 
     def __call__(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         o = self.options
-        out = []
-        for i, row in enumerate(rows):
+        out, tokens_of = [], []
+        for i, row in enumerate(rows):  # every row tokenized and checked before any is scored
             row = dict(row)
-            if row.get("completion_messages"):
-                tokens = self._trajectory(row, i)
-            else:
-                tokens = self._single(row, i)
-            prompt_ids, completion_ids = tokens["prompt_ids"], tokens["completion_ids"]
-            if not completion_ids:
+            tokens = (
+                self._trajectory(row, i) if row.get("completion_messages") else self._single(row, i)
+            )
+            if not tokens["completion_ids"]:
                 raise self._error(
                     "empty completion: nothing to train on", row=i, field="completion"
                 )
-            with torch.no_grad():
-                lp = teacher_forced_logprobs(
-                    self.model, prompt_ids, completion_ids, o.temperature, o.top_p, o.top_k
-                )
+            why = self.scorer.check_row(tokens["prompt_ids"], tokens["completion_ids"])
+            if why is not None:
+                raise self._error(why, row=i, field="completion")
+            out.append(row)
+            tokens_of.append(tokens)
+        pairs = [(t["prompt_ids"], t["completion_ids"]) for t in tokens_of]
+        scored = self.scorer.logprobs(pairs, o.temperature, o.top_p, o.top_k, self.on_scored)
+        for row, tokens, lp in zip(out, tokens_of, scored):
             if "loss_mask" in tokens:  # no log-prob on environment tokens
                 keep = torch.tensor(tokens["loss_mask"], dtype=torch.bool)
                 lp = torch.where(keep, lp, torch.zeros((), dtype=lp.dtype))
@@ -262,5 +263,4 @@ class TextRowTransformer:
                 top_k=o.top_k,
                 generator=self.generator,
             )
-            out.append(row)
         return out
