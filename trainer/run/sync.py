@@ -339,6 +339,8 @@ def _generation_round(
             "reward": summary.mean_reward,
             "seconds": summary.seconds,
             "store_version": summary.store_version,
+            "prompts_truncated": summary.prompts_truncated,
+            "prompts_skipped": summary.prompts_skipped,
         },
     )
     return summary
