@@ -1,23 +1,37 @@
-"""[generation] prompt_overflow: prompts longer than the model's context, refused, cut or skipped.
+"""Long-context limits: prompts beyond the model's context ([generation] prompt_overflow), rows
+beyond the learner's micro-batch budget, and a token-budget-shrunk batch in a run's records.
 
 A tiny model with 64 positions; one short and one long prompt through the real generate
 pipeline (transformers; one vLLM engine for the same rule with its max_model_len) into a real
-store. Run: .venv/bin/python -m pytest -q tests/trainer/test_prompt_overflow.py
+store. Run: .venv/bin/python -m pytest -q tests/trainer/test_long_context.py
 """
 
 from __future__ import annotations
 
+import json
+import tomllib
+import warnings
+
+import numpy as np
 import pytest
-from helpers import require_vllm
+import torch
+from helpers import require_vllm, resumable_run_toml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from rolloutstore import RolloutStore
+from rolloutstore import ReplayConfig, ReplayDataset, RolloutStore
+from rolloutstore.errors import ShrunkBatchWarning
+from trainer.algo.learner import Learner, MicroBatchBudgetWarning
+from trainer.algo.loss import LossConfig
+from trainer.algo.optim import OptimConfig
+from trainer.config import TrainConfig
 from trainer.errors import ConfigError, TaskError
 from trainer.models.tiny import make_tiny_model
 from trainer.rollout.hf import HFGenerator
 from trainer.rollout.pipeline import RoundIds, generate_rollouts
 from trainer.rollout.sampling import GenerationConfig
+from trainer.run.sync import train
 from trainer.tasks import Prompt, get_task
 from trainer.tasks.chat import (
     PromptOverflowWarning,
@@ -111,7 +125,9 @@ def test_config_refuses_an_unknown_policy():
         GenerationConfig(prompt_overflow="cut")
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(
     text=st.text(alphabet="0123456789 +-*=.:abcXYZ\n", min_size=1, max_size=300),
     budget=st.integers(2, 40),
@@ -143,3 +159,94 @@ def test_vllm_uses_its_max_model_len(tmp_path, model_dir):
             summary = _round(store, vgen, "skip")
     assert n_short + MAX_TOKENS <= limit
     assert summary.prompts_skipped == 1 and store.count() == 2
+
+
+# -- the learner's micro_batch_tokens and the model's positions ---------------------------------
+def _learner_store(tmp_path, lengths: list[int]) -> RolloutStore:
+    rng = np.random.default_rng(0)
+    rows = []
+    for i, n in enumerate(lengths):
+        c = n - 4
+        rows.append(
+            {
+                "run_id": "t",
+                "group_id": f"g{i // 2}",
+                "sample_index": i % 2,
+                "policy_version": 0,
+                "prompt_ids": rng.integers(20, 90, 4).tolist(),
+                "completion_ids": rng.integers(10, 20, c).tolist(),
+                "behavior_logprobs": (-rng.exponential(1.0, c)).astype(np.float32).tolist(),
+                "reward": float(i % 2),
+                "advantage": float(i % 2) - 0.5,
+                "temperature": 1.0,
+            }  # fmt: skip
+        )
+    s = RolloutStore.open(tmp_path / "store")
+    s.append(rows)
+    return s
+
+
+def _tiny_learner(budget: int | None) -> Learner:
+    cfg = Qwen2Config(
+        vocab_size=97, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=1, num_key_value_heads=1, max_position_embeddings=POSITIONS,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return Learner(
+        Qwen2ForCausalLM(cfg).float(), LossConfig(), OptimConfig(lr=1e-3, micro_batch_tokens=budget)
+    )
+
+
+def _all_rows(store) -> dict:
+    ds = ReplayDataset(
+        store, ReplayConfig(seed=0, replacement=False), batch_size=store.count(), steps=1,
+        record_usage=False, prefetch=0,
+    )  # fmt: skip
+    return next(iter(ds))
+
+
+def test_a_row_over_micro_batch_tokens_is_trained_alone_counted_and_warned_once(tmp_path):
+    store = _learner_store(tmp_path, [10, 12, 50, 9, 11, 48, 10, 10])
+    batch = _all_rows(store)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mbs, _, _ = _tiny_learner(budget=30)._micro_batches(batch)
+    for mb in mbs:  # each long row alone; the rest within the budget
+        n = mb["attention_mask"].sum(dim=1)
+        assert (len(n) == 1 and n[0] > 30) or int(n.sum()) <= 30
+    learner = _tiny_learner(budget=30)
+    with pytest.warns(MicroBatchBudgetWarning, match="2 sequence.* longer than .*= 30") as w:
+        m1 = learner.step(batch)
+        m2 = learner.step(batch)
+    assert len([x for x in w if x.category is MicroBatchBudgetWarning]) == 1
+    assert m1["rows_over_micro_budget"] == m2["rows_over_micro_budget"] == 2
+    assert _tiny_learner(budget=None).step(batch)["rows_over_micro_budget"] == 0
+
+
+def test_a_row_beyond_the_model_positions_is_refused_by_rollout_id(tmp_path):
+    store = _learner_store(tmp_path, [10, POSITIONS + 6])
+    batch = _all_rows(store)
+    long_id = store.sql("SELECT rollout_id FROM rollouts WHERE num_completion_tokens > 20")
+    with pytest.raises(ValueError) as info:
+        _tiny_learner(budget=None).step(batch)
+    msg = str(info.value)
+    assert f"rollout_id {long_id['rollout_id'][0].as_py()} is {POSITIONS + 6} tokens" in msg
+    assert f"{POSITIONS} positions" in msg and "max_tokens_per_batch" in msg
+
+
+# -- a run's train records: rows trained, and what the token budget cut --------------------------
+def test_a_shrunk_batch_is_a_train_metric_and_one_warning(tmp_path):
+    run = resumable_run_toml("shrunk", "batch_size = 8\nmax_tokens_per_batch = 60\neval_every = 0")
+    cfg = TrainConfig.from_dict(tomllib.loads(run.format(dir=tmp_path / "run", steps=3)))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train(cfg, progress=False)
+    assert len([w for w in caught if w.category is ShrunkBatchWarning]) == 1
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    recs = [r for r in map(json.loads, lines) if r["kind"] == "train"]
+    assert len(recs) == 3
+    for r in recs:
+        assert 1 <= r["batch_rows"] < 8 and r["batch_rows"] + r["batch_shrunk"] == 8
+        assert r["rows_over_budget"] == 0 and r["rows_over_micro_budget"] == 0
+    gen = [r for r in map(json.loads, lines) if r["kind"] == "generate"]
+    assert gen and all(r["prompts_skipped"] == r["prompts_truncated"] == 0 for r in gen)
