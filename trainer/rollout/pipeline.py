@@ -164,6 +164,12 @@ class GenerateSummary:
             f"generated {self.rollouts} rollouts, {self.tokens} tokens, "
             f"mean reward {self.mean_reward:.4f}, {self.tokens_per_s:.1f} tokens/s "
             f"({self.seconds:.1f} s, store version {self.store_version})"
+            + (f"; {self.prompts_truncated} prompts cut to fit" if self.prompts_truncated else "")
+            + (
+                f"; {self.prompts_skipped} prompts too long, skipped"
+                if self.prompts_skipped
+                else ""
+            )
         )
 
 
