@@ -156,6 +156,20 @@ class ShortBatchWarning(UserWarning):
     """A drawn batch holds fewer rows than asked (``per_prompt_cap``, a small buffer)."""
 
 
+class ShrunkBatchWarning(UserWarning):
+    """A token budget (``max_tokens``, a run's ``max_tokens_per_batch``) held fewer rows than
+    the ``batch_size`` drawn; ``Selection.budget_cut`` counts the rows it cut each step."""
+
+
+class RowOverBudgetWarning(UserWarning):
+    """Eligible rows longer than the token budget were left out of the draw (no batch can hold
+    them); ``Selection.over_budget`` counts them each step."""
+
+
+class RowOverBudgetError(RolloutStoreError, ValueError):
+    """Every eligible row is longer than the token budget: no batch can be drawn."""
+
+
 class ResumeStateError(RolloutStoreError, ValueError):
     """A checkpoint's rolloutstore state is damaged, or belongs to another run or store."""
 

@@ -28,7 +28,8 @@ PACKED_KEYS = ("cu_seqlens",)  # (B+1,): sequence boundaries of a packed row
 # Per batch: counts, ids (lists, one per sequence) and the draw's provenance.
 BATCH_INFO_KEYS = (
     "num_tokens", "num_loss_tokens", "rollout_ids", "run_ids", "logprobs_mode", "step",
-    "learner_version", "store_version", "no_embedding",
+    "learner_version", "store_version", "no_embedding", "batch_rows", "over_budget",
+    "budget_cut",
 )  # fmt: skip
 # A micro-batch (``micro_batch_tokens``) also carries its whole step's loss tokens and sequences.
 MICRO_BATCH_KEYS = ("step_loss_tokens", "step_sequences")
@@ -96,6 +97,11 @@ def collate(rows: pa.Table, sel: Selection, idx: np.ndarray, *, pack: bool) -> d
         store_version=sel.store_version,
         # The whole step's count (every rank's share), None unless diversity="embedding".
         no_embedding=sel.no_embedding,
+        # The whole step's too (every rank's share): rows drawn, and under a token budget the
+        # eligible rows too long for it and the rows it cut (None without one).
+        batch_rows=len(sel),
+        over_budget=sel.over_budget,
+        budget_cut=sel.budget_cut,
     )
     return out
 

@@ -41,6 +41,10 @@ class Selection:
     # diversity="embedding": how many of the rows had no embedding (drawn with prompt
     # diversity instead, see MissingEmbeddingWarning); None under other diversity modes.
     no_embedding: int | None = None
+    # A token budget (max_tokens; None without one): eligible rows longer than it, left out of
+    # the draw, and rows of a batch_size draw it cut (rolloutstore/replay/budget.py).
+    over_budget: int | None = None
+    budget_cut: int | None = None
 
     def __len__(self) -> int:
         return len(self.rollout_ids)
@@ -57,6 +61,8 @@ def selection_of(
     step: int,
     requested: int | None,
     no_embedding: int | None = None,
+    over_budget: int | None = None,
+    budget_cut: int | None = None,
 ) -> Selection:
     """The Selection of rows ``idx`` of the candidates ``cand`` (the buffer drawn from) with
     their importance ``weights``; ``fresh``: the fresh mask of every candidate."""
@@ -82,4 +88,6 @@ def selection_of(
         fresh=fresh[idx],
         requested=requested,
         no_embedding=no_embedding,
+        over_budget=over_budget,
+        budget_cut=budget_cut,
     )

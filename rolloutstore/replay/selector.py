@@ -56,10 +56,13 @@ from rolloutstore.errors import (
     EmptyBufferError,
     MissingEmbeddingWarning,
     RewardVersionError,
+    RowOverBudgetWarning,
     ShortBatchWarning,
+    ShrunkBatchWarning,
 )
 from rolloutstore.facade import RolloutStore
 from rolloutstore.query.sql import connect, run
+from rolloutstore.replay.budget import fit_budget, over_budget, over_budget_message, row_lengths
 from rolloutstore.replay.config import SCALAR_COLUMNS, SELECT_COLUMNS, ReplayConfig
 from rolloutstore.replay.draw import codes, draw, fresh_mask
 from rolloutstore.replay.overlay import RewardOverlay
@@ -73,9 +76,11 @@ __all__ = [
     "EmptyBufferError",
     "MissingEmbeddingWarning",
     "RewardVersionError",
+    "RowOverBudgetWarning",
     "Selection",
     "Selector",
     "ShortBatchWarning",
+    "ShrunkBatchWarning",
 ]
 
 
@@ -125,6 +130,8 @@ class Selector:
         self._last_filter: str | None = None
         self._rewards = RewardOverlay()
         self._warned_no_embedding = False
+        self._warned_budget = {"over": False, "cut": False}
+        self._budget_cache: tuple | None = None
 
     def _sql(self, tables: dict[str, Any], query: str, params: list | None = None) -> pa.Table:
         """Run ``query`` on this selector's one DuckDB connection with ``tables`` registered."""
@@ -330,7 +337,9 @@ class Selector:
         """Draw one batch for a learner at ``learner_version``; records usage; advances the step.
 
         ``max_tokens``: fill the batch up to this many (prompt + completion) tokens
-        instead of (or as well as) ``batch_size`` rows; at least one row is returned.
+        instead of (or as well as) ``batch_size`` rows; rows longer than it are not drawn
+        (rolloutstore/replay/budget.py: counted in ``over_budget``, the rows it cuts off a
+        ``batch_size`` draw in ``budget_cut``; each warns once); at least one row is returned.
         """
         if batch_size is None and max_tokens is None:
             raise ValueError("sample needs batch_size or max_tokens")
@@ -348,7 +357,10 @@ class Selector:
                 f"(store version {store_version}, {self.store.count()} rows); wait for actors "
                 "or relax window/max_staleness/max_uses/where"
             )
-        idx, weights, fresh = self._draw(cand, batch_size, max_tokens, step)
+        over = None
+        if max_tokens is not None:
+            cand, over = self._within_budget(cand, max_tokens)
+        idx, weights, fresh, cut = self._draw(cand, batch_size, max_tokens, step)
         no_embedding = self._no_embedding(cand, idx)
         sel = selection_of(
             cand,
@@ -360,6 +372,8 @@ class Selector:
             step=step,
             requested=batch_size,
             no_embedding=no_embedding,
+            over_budget=over,
+            budget_cut=cut,
         )
         self._uses.add_own(sel.rollout_ids)
         if self.record_usage and step > self.usage_recorded_through:
@@ -367,11 +381,30 @@ class Selector:
         self.step = step + 1
         return sel
 
+    def _within_budget(self, cand: pa.Table, max_tokens: int) -> tuple[pa.Table, int]:
+        """(the candidates a ``max_tokens`` batch can hold, how many it cannot); the first
+        selector draw that leaves rows out warns (RowOverBudgetWarning)."""
+        c = self._budget_cache
+        if c is not None and c[0] is cand and c[1] == max_tokens:
+            return c[2], c[3]
+        over = over_budget(cand, max_tokens)
+        n = int(over.sum())
+        kept = cand.filter(pa.array(~over)) if n else cand
+        if n and not self._warned_budget["over"]:
+            self._warned_budget["over"] = True
+            warnings.warn(
+                over_budget_message(cand, over, max_tokens), RowOverBudgetWarning, stacklevel=3
+            )
+        self._budget_cache = (cand, max_tokens, kept, n)
+        return kept, n
+
     def _draw(
         self, cand: pa.Table, batch_size: int | None, max_tokens: int | None, step: int
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(candidate indices, importance weights, every candidate's fresh mask) of the draw
-        at ``step``; warns (ShortBatchWarning) when fewer than ``batch_size`` rows come."""
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int | None]:
+        """(candidate indices, importance weights, every candidate's fresh mask, rows the token
+        budget cut off a ``batch_size`` draw) of the draw at ``step``; warns
+        (ShortBatchWarning) when fewer than ``batch_size`` rows come, and once per selector
+        (ShrunkBatchWarning) when the budget cuts rows."""
         rng = np.random.default_rng([self.config.seed, step])
         want = batch_size if batch_size is not None else cand.num_rows
         if self._codes_cache is None or self._codes_cache[0] is not cand:
@@ -399,14 +432,24 @@ class Selector:
                 ShortBatchWarning,
                 stacklevel=3,  # the caller of sample
             )
+        cut = None
         if max_tokens is not None:
-            lengths = (
-                cand["num_prompt_tokens"].to_numpy().astype(np.int64)
-                + cand["num_completion_tokens"].to_numpy().astype(np.int64)
-            )[idx]
-            keep = max(1, int(np.searchsorted(np.cumsum(lengths), max_tokens, side="right")))
+            keep = fit_budget(row_lengths(cand)[idx], max_tokens)
+            assert keep >= 1, "rows longer than max_tokens are not candidates"
+            if batch_size is not None:
+                cut = len(idx) - keep
+                if cut and not self._warned_budget["cut"]:
+                    self._warned_budget["cut"] = True
+                    warnings.warn(
+                        f"step {step}: the token budget max_tokens={max_tokens} held {keep} of "
+                        f"the {len(idx)} rows drawn; the rest are not trained this step (each "
+                        "train record counts them as batch_shrunk; warned once): raise "
+                        "[run].max_tokens_per_batch or lower [run].batch_size",
+                        ShrunkBatchWarning,
+                        stacklevel=3,
+                    )
             idx, weights = idx[:keep], weights[:keep]
-        return idx, weights, fresh
+        return idx, weights, fresh, cut
 
     def _short_reason(self, asked: int, got: int, cand: pa.Table, prompts: np.ndarray) -> str:
         cap = self.config.per_prompt_cap

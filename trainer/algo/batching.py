@@ -36,6 +36,37 @@ def sequence_lengths(batch: dict[str, Any]) -> np.ndarray:
     return batch["attention_mask"].sum(dim=1).cpu().numpy()
 
 
+def check_lengths(
+    items: list[dict[str, Any]], budget: int | None, positions: int | None
+) -> tuple[int, int]:
+    """(sequences of ``items`` longer than the micro-batch ``budget``, the longest's length).
+
+    Such a sequence is trained alone, in a micro-batch of its own (it fits the model, and the
+    loader's ``max_tokens_per_batch`` already let it through), so the learner counts it and
+    warns. A sequence longer than the model's ``positions`` is refused, naming its rollout_id:
+    its later tokens would be scored at positions the model never learned.
+    """
+    over, longest = 0, 0
+    for mb in items:
+        lengths = sequence_lengths(mb)
+        if not len(lengths):
+            continue
+        i = int(np.argmax(lengths))
+        longest = max(longest, int(lengths[i]))
+        if positions is not None and lengths[i] > positions:
+            ids = mb.get("rollout_ids")
+            who = f"rollout_id {ids[i]}" if ids is not None else f"sequence {i}"
+            raise ValueError(
+                f"{who} is {int(lengths[i])} tokens, beyond the model's {positions} positions "
+                "(max_position_embeddings): leave such rows out with [run].max_tokens_per_batch "
+                f"<= {positions} or [replay].where = 'num_prompt_tokens + num_completion_tokens "
+                f"<= {positions}'"
+            )
+        if budget is not None:
+            over += int((lengths > budget).sum())
+    return over, longest
+
+
 def _select_padded(batch: dict[str, Any], idx: np.ndarray, lengths: np.ndarray) -> dict:
     width = int(lengths[idx].max())
     ix = torch.from_numpy(np.asarray(idx, dtype=np.int64))

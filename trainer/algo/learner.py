@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from contextlib import nullcontext
 from typing import Any
 
@@ -63,7 +64,14 @@ import torch
 from torch import Tensor
 
 from trainer.algo import learner_state
-from trainer.algo.batching import is_packed, num_sequences, split_packed, split_padded, unpack_index
+from trainer.algo.batching import (
+    check_lengths,
+    is_packed,
+    num_sequences,
+    split_packed,
+    split_padded,
+    unpack_index,
+)
 from trainer.algo.behavior import batch_rows, check_logprobs_modes, sampling_kwargs
 from trainer.algo.epochs import (
     mean_updates,
@@ -77,7 +85,11 @@ from trainer.algo.loss import LossConfig, policy_loss
 from trainer.algo.loss_config import MAX_METRICS
 from trainer.algo.optim import OptimConfig, apply_optim_config, build_adamw
 
-__all__ = ["Learner"]
+__all__ = ["Learner", "MicroBatchBudgetWarning"]
+
+
+class MicroBatchBudgetWarning(UserWarning):
+    """Sequences longer than ``micro_batch_tokens`` were trained alone, over the budget."""
 
 
 class Learner:
@@ -139,6 +151,8 @@ class Learner:
         self.compute_entropy = compute_entropy or loss_cfg.entropy_coef > 0
         self.policy_version = 0
         self.steps_done = 0
+        self.rows_over_micro_budget = 0  # of the last step (see _check_lengths)
+        self._warned_micro_budget = False
         self.update_metrics: list[dict[str, float]] = []  # per optimizer step of the last step
         # A DDP-wrapped (or, with `sharded`, fully_shard-ed) trainer.run.distributed.LogProbModule
         # of self.model (set by wrap_learner / shard_learner).
@@ -185,7 +199,8 @@ class Learner:
         means over micro-batches; ``is_weight_max`` and ``ratio_max_dev`` their max; ``ess_frac``
         is the token-weighted mean of the micro-batches' ESS fractions), ``grad_norm`` (before
         clipping), ``lr`` (used for this step), ``tokens`` (loss tokens), ``sequences``,
-        ``micro_batches``, ``optimizer_steps`` (updates applied), ``policy_version`` (after the
+        ``micro_batches``, ``rows_over_micro_budget`` (sequences longer than ``micro_batch_tokens``,
+        each trained alone), ``optimizer_steps`` (updates applied), ``policy_version`` (after the
         step), ``staleness`` (mean), ``skipped`` (1 when the gradient was not finite and no
         update was made), ``seconds``.
         """
@@ -215,6 +230,7 @@ class Learner:
             tokens=float(tokens),
             sequences=float(seqs),
             micro_batches=float(len(mbs)),
+            rows_over_micro_budget=float(self.rows_over_micro_budget),
             optimizer_steps=float(applied),
             policy_version=float(self.policy_version),
             staleness=staleness_sum / max(seqs, 1),
@@ -413,6 +429,7 @@ class Learner:
         self, batch: dict[str, Any] | list[dict[str, Any]]
     ) -> tuple[list[dict[str, Any]], int, int]:
         """(micro-batches, loss tokens of the step, sequences of the step)."""
+        self._check_lengths([batch] if isinstance(batch, dict) else list(batch))
         if isinstance(batch, dict):
             mbs = [batch]
             budget = self.optim_cfg.micro_batch_tokens
@@ -437,6 +454,26 @@ class Learner:
             dist.all_reduce(t)
             tokens, seqs = (int(v) for v in t.tolist())
         return mbs, tokens, seqs
+
+    def _check_lengths(self, items: list[dict[str, Any]]) -> None:
+        """Count (``rows_over_micro_budget``) and warn once of sequences longer than
+        ``micro_batch_tokens``; refuse one longer than the model's positions."""
+        budget = self.optim_cfg.micro_batch_tokens
+        config = getattr(self.model, "config", None)
+        positions = getattr(config, "max_position_embeddings", None)
+        over, longest = check_lengths(items, budget, positions)
+        self.rows_over_micro_budget = over
+        if over and not self._warned_micro_budget:
+            self._warned_micro_budget = True
+            warnings.warn(
+                f"learner step {self.steps_done}: {over} sequence(s) longer than "
+                f"[optim].micro_batch_tokens = {budget} (longest {longest} tokens) are trained "
+                "alone, each in a micro-batch that exceeds the budget; train records count "
+                "them as rows_over_micro_budget (warned once): raise micro_batch_tokens, or "
+                f"keep such rows out with [run].max_tokens_per_batch <= {budget}",
+                MicroBatchBudgetWarning,
+                stacklevel=4,
+            )
 
     @staticmethod
     def _target_mask(mb: dict[str, Any]) -> Tensor:

@@ -38,7 +38,7 @@ from trainer.rollout.sampling import (
     standalone_rows,
     stop_position,
 )
-from trainer.tasks.chat import encode_prompt
+from trainer.tasks.chat import check_fits, encode_prompt
 
 
 def process_logits(
@@ -195,6 +195,9 @@ class HFGenerator:
         )
         # Cast explicitly: older transformers ignore the ``dtype`` keyword (it was ``torch_dtype``).
         self.model = model.to(device=self.device, dtype=dtype).eval()
+        # The context a prompt + completion must fit (vLLM's name for it; None: unknown).
+        # transformers only warns past it and then samples from positions the model never saw.
+        self.max_model_len: int | None = getattr(model.config, "max_position_embeddings", None)
 
         eos: set[int] = set()
         for source in (self.model.generation_config.eos_token_id, self.tokenizer.eos_token_id):
@@ -239,6 +242,7 @@ class HFGenerator:
         prompt_ids = [encode_prompt(self.tokenizer, p) for p in prompts]
         if any(len(ids) == 0 for ids in prompt_ids):
             raise ValueError("every prompt must tokenize to at least one token")
+        check_fits(prompt_ids, max_tokens, self.max_model_len)
         rows = [(i, j) for i in range(len(prompts)) for j in range(group_size)]
 
         contexts = [prompt_ids[i] for i, _ in rows]
@@ -280,6 +284,8 @@ class HFGenerator:
         budgets, stop = check_sample_args(contexts, max_tokens, seed, stop)
         if not contexts:
             return []
+        for ids, budget in zip(contexts, budgets):
+            check_fits([ids], budget, self.max_model_len)
         sampled = self._sample_seeded(contexts, temperature, top_p, top_k, max(budgets), seed, stop)
         out = []
         for (ids, lps), budget in zip(sampled, budgets):

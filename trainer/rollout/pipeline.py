@@ -57,7 +57,7 @@ from trainer.rollout.sampling import (
     sample_columns,
 )
 from trainer.tasks import Prompt, Task, get_task, score_completion
-from trainer.tasks.chat import render_prompts
+from trainer.tasks.chat import fit_prompts, render_prompts
 
 BACKENDS = ("vllm", "hf")
 TINY_MODEL = "tiny"
@@ -154,6 +154,9 @@ class GenerateSummary:
     seconds: float
     store_version: int
     store_wait_s: float = 0.0
+    # Prompts too long for the model's context ([generation].prompt_overflow), of the call's.
+    prompts_truncated: int = 0
+    prompts_skipped: int = 0
 
     def line(self) -> str:
         """One human-readable closing line."""
@@ -161,6 +164,12 @@ class GenerateSummary:
             f"generated {self.rollouts} rollouts, {self.tokens} tokens, "
             f"mean reward {self.mean_reward:.4f}, {self.tokens_per_s:.1f} tokens/s "
             f"({self.seconds:.1f} s, store version {self.store_version})"
+            + (f"; {self.prompts_truncated} prompts cut to fit" if self.prompts_truncated else "")
+            + (
+                f"; {self.prompts_skipped} prompts too long, skipped"
+                if self.prompts_skipped
+                else ""
+            )
         )
 
 
@@ -240,6 +249,13 @@ def generate_rollouts(
         generator, task_obj, prompt_objs, g, policy_version, ids
     )
     try:
+        # Before anything is sampled, one rule for both backends: prompts that do not fit
+        # the model's context beside max_tokens are refused, cut or left out.
+        fitted = fit_prompts(
+            getattr(gen, "tokenizer", None), prompt_objs, max_tokens=g.max_tokens,
+            limit=getattr(gen, "max_model_len", None), policy=g.prompt_overflow,
+        )  # fmt: skip
+        prompt_objs = fitted.prompts
         bar = tqdm(
             total=len(prompt_objs) * g.group_size,
             unit="rollout",
@@ -265,7 +281,11 @@ def generate_rollouts(
         # Stopping an engine takes seconds; it is not part of the measured time.
         if owned and hasattr(gen, "close"):
             gen.close()
-    return writer.summary(seconds)
+    return replace(
+        writer.summary(seconds),
+        prompts_truncated=len(fitted.truncated),
+        prompts_skipped=len(fitted.skipped),
+    )
 
 
 def _open_generator(

@@ -21,6 +21,8 @@ from trainer.errors import ConfigError
 LOGPROBS_MODE = "processed_logprobs"
 
 Backend = Literal["hf", "vllm", "auto"]
+# What a prompt too long for the model's context becomes (trainer/tasks/chat.py fit_prompts).
+PromptOverflow = Literal["error", "truncate_left", "skip"]
 GenDtype = Literal["auto", "float32", "bfloat16", "float16"]
 # max_model_len when the config leaves it 0: the model's max_position_embeddings, capped here
 # (a 128k-context model would otherwise reserve KV cache for sequences RL never produces).
@@ -146,6 +148,12 @@ class GenerationConfig:
     )
     prompts_per_round: int = _h("prompts generated per round", 32)
     batch_prompts: int = _h("prompts per generation call (one atomic append each)", 64)
+    prompt_overflow: PromptOverflow = _h(
+        "a prompt whose tokens + max_tokens exceed the model's context (max_position_embeddings; "
+        "vLLM: max_model_len): error (refuse the round), truncate_left (cut its start; "
+        "plain-text prompts only) or skip (leave it out, counted as prompts_skipped)",
+        "error",
+    )
     # vLLM engine settings (the transformers backend uses dtype only).
     max_model_len: int = _h(
         f"vLLM: longest prompt + completion; 0: the model's max_position_embeddings, at most "
@@ -194,6 +202,11 @@ class GenerationConfig:
         for name in ("prompts_per_round", "batch_prompts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.prompt_overflow not in typing.get_args(PromptOverflow):
+            raise ConfigError(
+                f"[generation].prompt_overflow = {self.prompt_overflow!r}: choose one of "
+                f"{', '.join(typing.get_args(PromptOverflow))}"
+            )
         self._check_engine()
         self._check_turns()
 

@@ -241,4 +241,6 @@ def _round_record(summary, actor_id: int, rnd: int, version: int) -> dict[str, A
         "reward": summary.mean_reward,
         "seconds": summary.seconds,
         "store_version": summary.store_version,
+        "prompts_truncated": summary.prompts_truncated,
+        "prompts_skipped": summary.prompts_skipped,
     }

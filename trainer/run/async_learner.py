@@ -58,6 +58,7 @@ from typing import Any
 import numpy as np
 
 from rolloutstore import RolloutStore
+from rolloutstore.replay.budget import budget_metrics
 from rolloutstore.replay.selector import EmptyBufferError, Selector
 from trainer.config import (
     TrainConfig,
@@ -332,6 +333,7 @@ def _batch_metrics(batch: dict[str, Any], learner_version: int) -> dict[str, Any
         "staleness_mean": float(stale.mean()),
         "policy_versions": sorted({int(v) for v in batch["policy_version"].numpy()}),
         "store_version": int(batch["store_version"]),
+        **budget_metrics(batch),  # rows trained, and what [run].max_tokens_per_batch cut
         **extra,
     }
 

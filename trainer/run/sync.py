@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from rolloutstore import RolloutStore
+from rolloutstore.replay.budget import budget_metrics
 from trainer.config import TrainConfig
 from trainer.control import ReplayController
 from trainer.errors import RunDirError
@@ -277,6 +278,7 @@ class SyncLoop(Loop):
             m["policy_reward"] = float(self.policy_reward)
         if batch.get("no_embedding") is not None:  # diversity="embedding": rows it fell back on
             m["no_embedding"] = int(batch["no_embedding"])
+        m.update(budget_metrics(batch))  # rows trained, and what [run].max_tokens_per_batch cut
         if ctl is not None:
             ctl.observe_step(m)
             m.update(updates_per_round=ctl.updates, fresh_fraction=ctl.fresh)
@@ -339,6 +341,8 @@ def _generation_round(
             "reward": summary.mean_reward,
             "seconds": summary.seconds,
             "store_version": summary.store_version,
+            "prompts_truncated": summary.prompts_truncated,
+            "prompts_skipped": summary.prompts_skipped,
         },
     )
     return summary

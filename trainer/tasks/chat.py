@@ -10,14 +10,22 @@ chat_template``: ``true``, ``false`` or ``"auto"`` (on when the tokenizer has a 
     from trainer.tasks.chat import render_prompts
     rendered = render_prompts(tokenizer, task.make_prompts(8, seed=0), task.chat_template)
     gen.generate([p.prompt_text for p in rendered], group_size=4)
+
+:func:`fit_prompts` holds the rendered prompts to the model's context before anything is
+sampled (``[generation] prompt_overflow``): a prompt whose tokens + ``max_tokens`` exceed it is
+refused (``"error"``), cut from the left (``"truncate_left"``, plain-text prompts only) or left
+out and counted (``"skip"``). Both generators refuse such a prompt too (:func:`check_fits`), so
+a caller that skips this step gets the error, never a silently overlong context.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from rolloutstore.schema.ids import prompt_id_of
 from trainer.errors import TaskError
 from trainer.tasks.base import Prompt
 
@@ -90,3 +98,114 @@ def encode_prompt(tokenizer: Any, text: str) -> list[int]:
     bos = getattr(tokenizer, "bos_token", None)
     add = not (isinstance(bos, str) and bos and text.startswith(bos))
     return list(tokenizer(text, add_special_tokens=add)["input_ids"])
+
+
+class PromptTooLongError(TaskError):
+    """A prompt whose tokens + ``max_tokens`` exceed the model's context."""
+
+
+class PromptOverflowWarning(UserWarning):
+    """Prompts were cut or left out under ``[generation] prompt_overflow``."""
+
+
+def check_fits(prompt_ids: Sequence[Sequence[int]], max_tokens: int, limit: int | None) -> None:
+    """Refuse the first of ``prompt_ids`` whose length + ``max_tokens`` exceeds ``limit``
+    (None: no known limit): the generators' last check, whatever called them."""
+    if limit is None:
+        return
+    for k, ids in enumerate(prompt_ids):
+        if len(ids) + max_tokens > limit:
+            raise PromptTooLongError(_too_long(k, list(ids), max_tokens, limit))
+
+
+def _too_long(k: int, ids: list[int], max_tokens: int, limit: int) -> str:
+    return (
+        f"prompt {k} (prompt_id {prompt_id_of(ids)}) is {len(ids)} tokens; with max_tokens "
+        f"{max_tokens} it needs {len(ids) + max_tokens} positions, the model's context is "
+        f"{limit}: shorten the prompt, lower [generation].max_tokens, or set "
+        '[generation].prompt_overflow = "skip" (or "truncate_left" for plain-text prompts)'
+    )
+
+
+@dataclass(frozen=True)
+class FittedPrompts:
+    """:func:`fit_prompts`' result: the prompts to generate from (in order), and the indices
+    (into the prompts given) it cut from the left and left out."""
+
+    prompts: list[Prompt]
+    truncated: list[int] = field(default_factory=list)
+    skipped: list[int] = field(default_factory=list)
+
+
+def fit_prompts(
+    tokenizer: Any, prompts: Sequence[Prompt], *, max_tokens: int, limit: int | None, policy: str
+) -> FittedPrompts:
+    """Hold rendered ``prompts`` to ``limit`` positions (prompt + ``max_tokens``) by ``policy``.
+
+    ``"error"``: :class:`PromptTooLongError` naming the first prompt too long. ``"skip"``: such
+    prompts are left out. ``"truncate_left"``: each is cut to its longest suffix of text that
+    fits, so what it asks (at its end) survives; a chat-rendered prompt is refused under it,
+    overlong or not, because a left cut removes the system prompt, the BOS and the turn
+    headers the template wrote. A cut or left-out prompt warns (:class:`PromptOverflowWarning`).
+    """
+    if policy not in ("error", "truncate_left", "skip"):
+        raise ValueError(f'policy must be "error", "truncate_left" or "skip", got {policy!r}')
+    if policy == "truncate_left":
+        for k, p in enumerate(prompts):
+            if p.messages is not None:
+                raise TaskError(
+                    f'[generation].prompt_overflow = "truncate_left" cuts plain-text prompts '
+                    f"only, and prompt {k} is chat-rendered (a cut from the left would drop the "
+                    "system prompt and turn headers the chat template wrote): use "
+                    '"skip" or "error", or [task].chat_template = false'
+                )
+    if limit is None:
+        return FittedPrompts(list(prompts))
+    budget = limit - max_tokens
+    kept: list[Prompt] = []
+    truncated: list[int] = []
+    skipped: list[int] = []
+    for k, p in enumerate(prompts):
+        ids = encode_prompt(tokenizer, p.prompt_text)
+        if len(ids) <= budget:
+            kept.append(p)
+        elif policy == "error":
+            raise PromptTooLongError(_too_long(k, ids, max_tokens, limit))
+        elif policy == "skip":
+            skipped.append(k)
+        else:
+            kept.append(replace(p, prompt_text=_left_cut(tokenizer, p.prompt_text, budget, k)))
+            truncated.append(k)
+    if skipped or truncated:
+        what, which = ("left out", skipped) if skipped else ("cut from the left", truncated)
+        warnings.warn(
+            f"{len(which)} of {len(prompts)} prompts were {what} ([generation].prompt_overflow "
+            f'= "{policy}"; first: prompt {which[0]}): each needs more than the model\'s '
+            f"{limit} positions with max_tokens {max_tokens}; the generate record counts them",
+            PromptOverflowWarning,
+            stacklevel=2,
+        )
+    return FittedPrompts(kept, truncated, skipped)
+
+
+def _left_cut(tokenizer: Any, text: str, budget: int, k: int) -> str:
+    """The longest suffix ``text[c:]`` that encodes to at most ``budget`` tokens.
+
+    The generators encode the text the store records, so the cut is made in text and
+    checked by encoding it (a decode of the last ``budget`` ids need not encode back to
+    them). Token counts grow with the suffix, so a binary search over ``c`` takes O(log n)
+    encodes; only a suffix that was encoded and fits is returned.
+    """
+    lo, hi = 0, len(text)  # text[len(text):] is empty: it fits, or nothing does
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if len(encode_prompt(tokenizer, text[mid:])) <= budget:
+            hi = mid
+        else:
+            lo = mid + 1
+    if hi == len(text):
+        raise PromptTooLongError(
+            f"prompt {k}: no part of it fits the {budget} positions the model's context leaves "
+            "beside max_tokens: lower [generation].max_tokens"
+        )
+    return text[hi:]
