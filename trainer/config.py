@@ -41,6 +41,7 @@ from trainer.tasks.chat import check_chat_mode
 from trainer.tasks.tools import check_tool_names, with_tools
 
 Mode = Literal["sync", "async"]
+IdMode = Literal["seeded", "clock"]
 
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
@@ -225,7 +226,16 @@ class RunConfig:
     warm_start_steps: int = _h("supervised steps on task solutions before RL", 0)
     warm_start_lr: float = _h("learning rate of the warm start", 1e-3)
     eval_every: int = _h("learner steps between evaluations (0: only at the end)", 10)
-    id_time_ms: int = _h("time field of rollout ids, ms since epoch (0: the run's start)", 0)
+    ids: IdMode = _h(
+        'rollout ids: "seeded" (functions of the seed, the config and the position, not of '
+        'the folder or the clock: twin runs write the same rows) or "clock" (the run id and '
+        "start time, so UUIDv7 ids sort by run across runs)",
+        "seeded",
+    )
+    id_time_ms: int = _h(
+        'time field of rollout ids, ms since epoch (0: seeded ids: 0; "clock": the run\'s start)',
+        0,
+    )
     store: str = _h(
         "rollout store URI, e.g. s3://bucket/run/store (empty: $ROLLOUTSTORE_STORE_URI, "
         "else RUN_DIR/store; async mode and actors)",
@@ -249,6 +259,8 @@ class RunConfig:
     def __post_init__(self) -> None:
         if self.mode not in typing.get_args(Mode):
             raise ValueError(f"mode must be one of {typing.get_args(Mode)}, got {self.mode!r}")
+        if self.ids not in typing.get_args(IdMode):
+            raise ConfigError(f'[run].ids = {self.ids!r}: choose "seeded" or "clock"')
         for name in ("steps", "updates_per_round", "batch_size", "checkpoint_every", "actors"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -300,10 +300,56 @@ def run_meta(run_dir: Path, cfg: TrainConfig, resume: bool) -> dict[str, Any]:
             f"{run_dir} already holds a run; continue it with `rolloutstore-train resume "
             f"{run_dir}` or choose another [run].dir"
         )
-    start_ms = cfg.run.id_time_ms or time.time_ns() // 1_000_000
-    meta = {"run_id": cfg.run_id, "start_ms": start_ms, "config": cfg.to_dict()}
+    start_ms = time.time_ns() // 1_000_000
+    if cfg.run.ids == "clock":
+        ids = {"mode": "clock", "prefix": cfg.run_id, "time_ms": cfg.run.id_time_ms or start_ms}
+    else:
+        ids = {"mode": "seeded", "prefix": seeded_id_prefix(cfg), "time_ms": cfg.run.id_time_ms}
+    meta = {"run_id": cfg.run_id, "start_ms": start_ms, "ids": ids, "config": cfg.to_dict()}
     meta_path.write_text(json.dumps(meta, indent=2))
     return meta
+
+
+# [run] keys that say where a run lives or how its ids are made, not what it generates.
+_PLACE_KEYS = ("dir", "store", "weights", "ids", "id_time_ms")
+
+
+def seeded_id_prefix(cfg: TrainConfig) -> str:
+    """The namespace of a seeded run's rollout ids: its seed and a hash of its config without
+    the run folder and store locations. Twin runs (same seed and config, any folders) write the
+    same ids; runs that differ in any setting (a replay source, a temperature, an explicit
+    [run].run_id) do not collide when one imports the other's rows or they share a store."""
+    import hashlib
+
+    d = cfg.to_dict()
+    d["run"] = {k: v for k, v in d["run"].items() if k not in _PLACE_KEYS}
+    d.pop("eval", None)  # evaluation settings change no generated row
+    digest = hashlib.blake2b(json.dumps(d, sort_keys=True).encode(), digest_size=8).hexdigest()
+    return f"seed{cfg.run.seed}-{digest}"
+
+
+def id_scheme(meta: dict[str, Any]) -> tuple[str, int]:
+    """(namespace prefix, UUIDv7 time field) of a run's rollout ids, from its run.json (runs
+    started before [run].ids existed: their run id and start time, as they were made)."""
+    ids = meta.get("ids")
+    if isinstance(ids, dict):
+        return str(ids["prefix"]), int(ids["time_ms"])
+    return meta["run_id"], int(meta["start_ms"])
+
+
+def check_twin_ids(store: RolloutStore, run_id: str, first_id: str) -> None:
+    """At a fresh start: refuse when the store already holds this run's first rollout id from
+    another run (a twin: the same seed and config, seeded ids, one shared store), whose rows
+    this run would skip as its own instead of writing them."""
+    rows = store.sql(
+        "SELECT run_id FROM rollouts WHERE rollout_id = ? LIMIT 1", [first_id]
+    ).to_pylist()
+    if rows and rows[0]["run_id"] != run_id:
+        raise RunDirError(
+            f"the store already holds rollouts with this run's ids, written by run "
+            f"{rows[0]['run_id']!r} (the same seed and config); set another [run].seed, an "
+            '[run].run_id of its own, or [run].ids = "clock", or give this run its own store'
+        )
 
 
 def check_world_size(run_dir: Path, d: Dist) -> None:

@@ -55,8 +55,10 @@ from trainer.run.resume import check_resume, check_resume_store
 from trainer.run.setup import (
     TrainResult,
     check_start,
+    check_twin_ids,
     check_world_size,
     evaluate,
+    id_scheme,
     prepare_model,
     removed_on_failure,
     report_sources,
@@ -141,12 +143,15 @@ class SyncLoop(Loop):
             self.model_dir = prepare_model(cfg, run_dir)  # built by rank 0: resolves the path
         if resume:
             check_world_size(run_dir, d)
-        self.run_id, self.start_ms = meta["run_id"], meta["start_ms"]
+        self.run_id = meta["run_id"]
+        self.id_prefix, self.id_time_ms = id_scheme(meta)  # seeded: not the folder, nor the clock
         self.task = cfg.task.build()
         self.store = RolloutStore.open(self.store_uri, storage_options=options)
         self.learner, self.loader, state = setup_learner(
             cfg, run_dir, self.run_id, self.store, self.task, self.model_dir, resume, dist=d
         )
+        if state is None and d.is_main:  # a twin's rows in a shared store: refused, not reused
+            check_twin_ids(self.store, self.run_id, self._round_ids(0).rollout_ids(0, 1)[0])
         d.barrier()  # rank 0's source imports are in the store before any rank draws
         # Draw from the store as the uninterrupted run did (see trainer.run.store_view).
         self.store_view = ResumeStoreView(self.store, self.run_id, state)
@@ -210,6 +215,14 @@ class SyncLoop(Loop):
                 self.controller.load_state_dict(sched["control"])
 
     # -- the loop's own steps (trainer.run.loop.Loop.run reads top to bottom) ---------------
+    def _round_ids(self, rnd: int) -> RoundIds:
+        """Round ``rnd``'s prompts, sampling seeds and rollout ids: functions of (seed, config,
+        round) under seeded ids ([run].ids), so twin runs in two folders write the same rows."""
+        return RoundIds(
+            self.run_id, policy_id=self.run_id, id_namespace=f"{self.id_prefix}/r{rnd}",
+            id_time_ms=self.id_time_ms, seed=self.cfg.run.seed * 1_000_003 + rnd,
+        )  # fmt: skip
+
     def done(self) -> bool:
         r = self.cfg.run
         budget = r.max_generated_tokens
@@ -245,7 +258,7 @@ class SyncLoop(Loop):
         if self.main:
             summary = _generation_round(
                 self.cfg, self.store, self.task, self.generator, self.learner.policy_version,
-                self.step, self.rnd, self.run_id, self.start_ms, self.totals, self.metrics,
+                self.step, self.rnd, self._round_ids(self.rnd), self.totals, self.metrics,
             )  # fmt: skip
             self.policy_reward = summary.mean_reward
             if ctl is not None:
@@ -313,15 +326,9 @@ class SyncLoop(Loop):
             self.policy.close()
 
 
-def _generation_round(
-    cfg, store, task, generator, policy_version, step, rnd, run_id, start_ms, totals, metrics
-):
+def _generation_round(cfg, store, task, generator, policy_version, step, rnd, ids, totals, metrics):
     """Round ``rnd`` (due at learner step ``step``): generate with ``generator`` and append."""
     g = cfg.generation
-    ids = RoundIds(
-        run_id, policy_id=run_id, id_namespace=f"{run_id}/r{rnd}", id_time_ms=start_ms,
-        seed=cfg.run.seed * 1_000_003 + rnd,
-    )  # fmt: skip
     summary = generate_rollouts(
         store, generator, task, g.prompts_per_round, generation=g, policy_version=policy_version,
         ids=ids, progress=False, on_append=lambda b: crash_at(f"generate:{rnd}:{b}"),
