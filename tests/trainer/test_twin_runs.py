@@ -32,7 +32,6 @@ steps = {steps}
 updates_per_round = 2
 batch_size = 8
 checkpoint_every = {steps}
-eval_every = 0
 {extra}
 """
 )

@@ -12,7 +12,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from rolloutstore import RolloutStore
@@ -23,7 +22,8 @@ from trainer.config import TrainConfig, configured_location, storage_options_fro
 from trainer.errors import RunDirError
 from trainer.models.load import check_model_dir, load_model, resolve_device, resolve_dtype
 from trainer.models.lora import apply_lora
-from trainer.rollout.multiturn import samples_for_task
+from trainer.rollout.evaluation import EvalResult
+from trainer.rollout.evaluation import evaluate as run_eval
 from trainer.run.checkpoint import (
     latest_checkpoint,
     newest_good_checkpoint,
@@ -32,7 +32,6 @@ from trainer.run.checkpoint import (
 )
 from trainer.run.distributed import Dist, shard_learner, wrap_learner
 from trainer.run.resume import note_resume, read_run_meta
-from trainer.tasks import score_completion
 from trainer.tasks.chat import render_prompts
 
 
@@ -43,6 +42,7 @@ class TrainResult:
     steps: int
     first_eval: float | None
     last_eval: float | None
+    timing: dict[str, float] | None = None  # rank 0: the run's time accounting (loop.py)
 
 
 def warm_start(
@@ -96,27 +96,12 @@ def warm_start(
     return losses
 
 
-def evaluate(generator, task, cfg: TrainConfig) -> float:
-    """Mean reward on held-out prompts (the task's eval split, rendered as in generation; one
-    sample each, training temperature, fixed seed)."""
-    n = cfg.task.eval_prompts
-    if n == 0:
-        return float("nan")
-    prompts = render_prompts(
-        generator.tokenizer, task.make_eval_prompts(n, seed=10_000_019 + cfg.run.seed),
-        task.chat_template,
-    )  # fmt: skip
-    g = cfg.generation
-    sampling = g.sampling(group_size=1, seed=cfg.run.seed + 99)
-    samples = samples_for_task(
-        generator, task, [p.prompt_text for p in prompts], max_turns=g.max_turns,
-        max_total_tokens=g.max_total_tokens, **sampling.kwargs(),
-    )  # fmt: skip
-    return float(
-        np.mean(
-            [score_completion(task, p, s.completion_text).reward for p, s in zip(prompts, samples)]
-        )
-    )
+def evaluate(generator, task, cfg: TrainConfig) -> EvalResult | None:
+    """The held-out evaluation ``[eval]`` configures (None with ``[eval].prompts = 0``): the
+    task's eval split rendered as in generation, the same prompts and seeds at every eval."""
+    if cfg.eval.prompts == 0:
+        return None
+    return run_eval(generator, task, cfg.eval, cfg.generation, cfg.run.seed)
 
 
 def store_location(cfg: TrainConfig, run_dir: Path) -> tuple[str, dict[str, str] | None]:

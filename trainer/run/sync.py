@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,7 @@ from rolloutstore import RolloutStore
 from trainer.config import TrainConfig
 from trainer.control import ReplayController
 from trainer.errors import RunDirError
+from trainer.rollout.evaluation import EvalResult
 from trainer.rollout.pipeline import RoundIds, generate_rollouts, resolve_backend
 from trainer.rollout.policy import LivePolicy
 from trainer.rollout.weights import publish_weights
@@ -122,6 +124,7 @@ class SyncLoop(Loop):
     """
 
     def __init__(self, cfg: TrainConfig, d: Dist, *, resume: bool):
+        self.t0 = time.perf_counter()  # startup_seconds count from here (trainer.run.loop)
         r = cfg.run
         if r.batch_size < d.world_size:
             raise RunDirError(
@@ -167,6 +170,7 @@ class SyncLoop(Loop):
             self.loader.retarget(config=replace(cfg.replay, fresh_fraction=fresh))
         # Rank 0 is the only generator and the only writer of metrics, checkpoints, weights.
         self.policy = self.metrics = self.generator = None
+        self.synced_version: int | None = None  # the learner version the generator holds
         if self.main:
             backend = resolve_backend(cfg.generation.backend)
             self.policy = LivePolicy(
@@ -198,7 +202,7 @@ class SyncLoop(Loop):
         self.step = state.get("step", 0)
         self.totals = state.get("totals") or {
             "generated_tokens": 0, "generated_rollouts": 0, "gen_seconds": 0.0,
-            "train_seconds": 0.0,
+            "train_seconds": 0.0, "sync_seconds": 0.0, "eval_seconds": 0.0,
         }  # fmt: skip
         self.first_eval = state.get("first_eval")
         # The round schedule: round `rnd` is generated when `step` reaches `next_round`
@@ -234,14 +238,32 @@ class SyncLoop(Loop):
             self._round()
 
     def _sync_generator(self) -> None:
+        """The generator brought to the learner's weights; its time in ``sync_seconds`` (the
+        first: building the generator or starting the engine, in ``startup_seconds``) and a
+        ``sync`` record per update with its parts."""
+        version = self.learner.policy_version  # the same on every rank
+        if self.synced_version == version:
+            return  # already there: a round right after an eval at the same step
+        self.synced_version = version
+        first = self.generator is None
+        t0 = time.perf_counter()
         # Every rank calls this: a sharded learner gathers its weights collectively.
-        weights = self.learner.full_weights()
+        weights = self.learner.full_weights()  # with LoRA: merged into the base weights
+        t1 = time.perf_counter()
         if not self.main:
             return
         self.generator = self.policy.sync(self.learner, weights)
+        t2 = time.perf_counter()
+        self.totals["startup_seconds" if first else "sync_seconds"] += t2 - t0
+        rec = {
+            "policy_version": version, "seconds": t2 - t0,
+            "gather_seconds": t1 - t0, "load_seconds": t2 - t1, "first": first,
+        }  # fmt: skip
         for event in self.policy.events:  # vLLM: each verified weight update, logged
+            rec.update({k: v for k, v in event.items() if k.endswith("_seconds")})
             self.metrics.log("weights", self.step, event)
         self.policy.events.clear()
+        self.metrics.log("sync", self.step, rec)
 
     def _round(self) -> None:
         """Round ``rnd``, due now: y for the next rounds, the generator synced, rows appended."""
@@ -295,8 +317,8 @@ class SyncLoop(Loop):
             m.update(updates_per_round=ctl.updates, fresh_fraction=ctl.fresh)
         return m
 
-    def evaluate(self) -> float | None:
-        if self.cfg.task.eval_prompts:
+    def evaluate(self) -> EvalResult | None:
+        if self.cfg.eval.prompts:
             self._sync_generator()
         return evaluate(self.generator, self.task, self.cfg) if self.main else None
 
