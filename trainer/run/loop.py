@@ -138,7 +138,7 @@ class Loop:
         for k in TIME_KEYS:
             totals.setdefault(k, 0.0)
         # This process's wall time counts from its set-up; earlier processes' (a resume) kept.
-        self.wall_base = totals["wall_seconds"] - (time.perf_counter() - self.t0)
+        self.wall_base = totals["wall_seconds"]
         totals["startup_seconds"] += time.perf_counter() - self.t0
         try:
             self.start()
