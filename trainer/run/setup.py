@@ -295,19 +295,25 @@ def run_meta(run_dir: Path, cfg: TrainConfig, resume: bool) -> dict[str, Any]:
     return meta
 
 
-# [run] keys that say where a run lives or how its ids are made, not what it generates.
-_PLACE_KEYS = ("dir", "store", "weights", "ids", "id_time_ms")
+# [run] keys that change no generated row: where the run lives, how its ids are made, how
+# often it saves, where it stops (run.steps reaches the rows only through [optim].total_steps,
+# which the hash keeps). A resume or a twin that differs only in these is the same run.
+_NOT_IN_ROWS = (
+    "dir", "store", "weights", "ids", "id_time_ms", "checkpoint_every", "keep_checkpoints",
+    "steps", "max_generated_tokens",
+)  # fmt: skip
 
 
 def seeded_id_prefix(cfg: TrainConfig) -> str:
-    """The namespace of a seeded run's rollout ids: its seed and a hash of its config without
-    the run folder and store locations. Twin runs (same seed and config, any folders) write the
-    same ids; runs that differ in any setting (a replay source, a temperature, an explicit
+    """The namespace of a seeded run's rollout ids: its seed and a hash of its config less the
+    keys that change no row (its folders, checkpoint schedule, length: _NOT_IN_ROWS, and
+    [eval]). Twin runs (same seed and config, any folders) write the same ids; runs that
+    differ in a setting that shapes their rows (a replay source, a temperature, an explicit
     [run].run_id) do not collide when one imports the other's rows or they share a store."""
     import hashlib
 
     d = cfg.to_dict()
-    d["run"] = {k: v for k, v in d["run"].items() if k not in _PLACE_KEYS}
+    d["run"] = {k: v for k, v in d["run"].items() if k not in _NOT_IN_ROWS}
     d.pop("eval", None)  # evaluation settings change no generated row
     digest = hashlib.blake2b(json.dumps(d, sort_keys=True).encode(), digest_size=8).hexdigest()
     return f"seed{cfg.run.seed}-{digest}"
