@@ -112,7 +112,6 @@ num_layers = 1
 [task]
 name = "arith"
 options = {{ max_operands = 2, max_digits = 1, ops = ["+"] }}
-eval_prompts = 4
 [generation]
 group_size = 4
 max_tokens = 5
@@ -122,6 +121,8 @@ batch_prompts = 3
 window = 64
 max_uses = 3
 seed = 1
+[eval]
+prompts = 4
 """
 
 

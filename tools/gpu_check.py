@@ -74,7 +74,8 @@ def _config(args, model_dir: Path, run_dir: Path):
                 "dtype": args.dtype,
                 **({"lora": {"rank": args.lora, "alpha": 2 * args.lora}} if args.lora else {}),
             },
-            "task": {"name": "arith", "eval_prompts": 0},
+            "task": {"name": "arith"},
+            "eval": {"prompts": 0, "every": 0},
             "generation": {
                 "backend": args.backend,
                 "group_size": 4 if cpu else 8,
@@ -91,7 +92,6 @@ def _config(args, model_dir: Path, run_dir: Path):
                 "steps": steps,
                 "updates_per_round": 1,
                 "batch_size": 8 if cpu else 128,
-                "eval_every": 0,
                 "checkpoint_every": 1,
                 "keep_checkpoints": 2,
             },

@@ -127,6 +127,7 @@ from tools.replay_sweep_grid import (  # noqa: E402
     warm_dir,
 )
 from tools.replay_sweep_report import best_cells, measured_mu, report, summarise_cells  # noqa: E402
+from trainer.rollout.evaluation import pass_at_k  # noqa: E402  (the runs' [eval] reports it)
 
 
 # -- running ------------------------------------------------------------------------------------
@@ -168,13 +169,6 @@ def ensure_warm(base: dict[str, Any], sz: Sizing, run_root: Path) -> dict[str, A
     info.update(heldout(out, cfg, sz))
     info_path.write_text(json.dumps(info, indent=1))
     return info
-
-
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k from ``c`` correct of ``n`` samples (Chen et al. 2021)."""
-    if n - c < k:
-        return 1.0
-    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
 def heldout(model_dir: Path, cfg: Any, sz: Sizing) -> dict[str, float]:

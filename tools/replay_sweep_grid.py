@@ -144,7 +144,7 @@ def build_config(base: dict[str, Any], cell: Cell, seed: int, sz: Sizing, run_ro
     steps = sz.rounds(cell) * upr
     R = sz.rollouts_per_round
     d["model"]["path"] = str(warm_dir(run_root))
-    d["task"]["eval_prompts"] = sz.eval_prompts
+    d["eval"] = {"prompts": sz.eval_prompts, "every": sz.eval_every_rounds(cell) * upr}
     d["generation"].update(prompts_per_round=sz.prompts_per_round, group_size=sz.group_size)
     d["run"].update(
         dir=str(run_root / cell.name / f"s{seed}"),
@@ -153,7 +153,6 @@ def build_config(base: dict[str, Any], cell: Cell, seed: int, sz: Sizing, run_ro
         updates_per_round=upr,
         batch_size=sz.batch_size,
         warm_start_steps=0,  # done once for all runs: warm_dir()
-        eval_every=sz.eval_every_rounds(cell) * upr,
         checkpoint_every=steps,
         keep_checkpoints=1,
         max_generated_tokens=0,

@@ -139,10 +139,10 @@ def build_configs(
             steps=steps,
             updates_per_round=upr,
             batch_size=batch,
-            eval_every=eval_rollouts // rollouts * upr,
             checkpoint_every=steps,
             keep_checkpoints=1,
         )
+        d["eval"] = dict(d.get("eval", {}), every=eval_rollouts // rollouts * upr)
         if name == "replay_control":
             steps = steps_for_budget(
                 token_budget, rollouts, CONTROL["max_updates"], tokens_per_rollout
@@ -151,8 +151,8 @@ def build_configs(
                 steps=steps,
                 checkpoint_every=steps,
                 max_generated_tokens=token_budget,
-                eval_every=eval_rollouts // rollouts,
             )
+            d["eval"]["every"] = eval_rollouts // rollouts
         replay = dict(d.get("replay", {}), seed=seed)
         # One initial model and learner seed for every run seed, as the recorded runs had
         # ([model] and [optim] seeds follow run.seed unless set).

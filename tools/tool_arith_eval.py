@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("config", type=Path)
     ap.add_argument("--warm-steps", type=int, help="override [run].warm_start_steps")
-    ap.add_argument("--prompts", type=int, help="override [task].eval_prompts")
+    ap.add_argument("--prompts", type=int, help="override [eval].prompts")
     ap.add_argument("--tool-demos", type=float, help="override [task].tool_demos")
     ap.add_argument("--warm-lr", type=float, help="override [run].warm_start_lr")
     ap.add_argument("--seeds", default="0", help="comma-separated run seeds (model + warm start)")
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
         base_cfg = base_cfg.with_run(warm_start_lr=args.warm_lr)
     steps = args.warm_steps if args.warm_steps is not None else base_cfg.run.warm_start_steps
     wanted = args.policies.split(",")
-    n = args.prompts or base_cfg.task.eval_prompts
+    n = args.prompts or base_cfg.eval.prompts
     summary: dict[str, list[float]] = {"baseline": [], "tool": []}
     for seed in (int(s) for s in args.seeds.split(",")):
         cfg = base_cfg.with_run(seed=seed)

@@ -70,6 +70,11 @@ def _summary(result) -> None:
             f"after {result.steps} learner steps"
         )
     print(f"metrics      {result.run_dir / 'metrics.jsonl'} (TensorBoard: {result.run_dir / 'tb'})")
+    if result.timing:
+        mu = f", mu {result.timing['mu']:.3g}" if "mu" in result.timing else ""
+        print(
+            f"time         {result.run_dir / 'summary.json'} ({result.timing['wall_seconds']:.0f} s{mu})"
+        )
     print(
         "look inside: rolloutstore sql " + str(store) + ' "SELECT policy_version, count(*) AS n, '
         'round(avg(reward), 3) AS reward FROM rollouts GROUP BY 1 ORDER BY 1"'

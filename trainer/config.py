@@ -9,6 +9,7 @@
     [loss]        trainer.algo.loss.LossConfig
     [optim]       trainer.algo.optim.OptimConfig
     [run]         dir, seed, steps, updates per round, batch size, checkpoints, mode
+    [eval]        held-out evaluation: prompts, samples per prompt or greedy, temperature, every
 
 Unknown sections or keys and bad values fail before any work starts, naming
 ``[section].key``. The seeds of [model], [replay] and [optim] and ``[optim].total_steps``
@@ -35,12 +36,14 @@ from trainer.algo.optim import OptimConfig
 from trainer.control import ControlConfig
 from trainer.errors import ConfigError, TaskFileError
 from trainer.models.lora import LoraSettings
+from trainer.rollout.evaluation import EvalConfig
 from trainer.rollout.sampling import GenerationConfig
 from trainer.tasks import Task, get_task
 from trainer.tasks.chat import check_chat_mode
 from trainer.tasks.tools import check_tool_names, with_tools
 
 Mode = Literal["sync", "async"]
+IdMode = Literal["seeded", "clock"]
 
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
@@ -118,7 +121,6 @@ def _valid_device(name: object) -> bool:
 class TaskConfig:
     name: str = _h("task with a verifiable reward: arith, countdown, dataset (file)", "arith")
     options: dict = _h("the task's own options (e.g. max_digits; dataset: path, reward)", {})
-    eval_prompts: int = _h("held-out prompts scored greedily-free at each eval", 64)
     chat_template: bool | str = _h(
         'render prompts with the tokenizer\'s chat template: true, false, or "auto" (when '
         "the tokenizer has one)",
@@ -134,8 +136,6 @@ class TaskConfig:
     )
 
     def __post_init__(self) -> None:
-        if self.eval_prompts < 0:
-            raise ValueError(f"eval_prompts must be >= 0, got {self.eval_prompts}")
         check_chat_mode(self.chat_template)
         object.__setattr__(self, "tools", check_tool_names(self.tools))
         d = self.tool_demos
@@ -224,8 +224,16 @@ class RunConfig:
     min_rows: int = _h("async: the learner waits until the buffer holds this many rows", 64)
     warm_start_steps: int = _h("supervised steps on task solutions before RL", 0)
     warm_start_lr: float = _h("learning rate of the warm start", 1e-3)
-    eval_every: int = _h("learner steps between evaluations (0: only at the end)", 10)
-    id_time_ms: int = _h("time field of rollout ids, ms since epoch (0: the run's start)", 0)
+    ids: IdMode = _h(
+        'rollout ids: "seeded" (functions of the seed, the config and the position, not of '
+        'the folder or the clock: twin runs write the same rows) or "clock" (the run id and '
+        "start time, so UUIDv7 ids sort by run across runs)",
+        "seeded",
+    )
+    id_time_ms: int = _h(
+        'time field of rollout ids, ms since epoch (0: seeded ids: 0; "clock": the run\'s start)',
+        0,
+    )
     store: str = _h(
         "rollout store URI, e.g. s3://bucket/run/store (empty: $ROLLOUTSTORE_STORE_URI, "
         "else RUN_DIR/store; async mode and actors)",
@@ -249,11 +257,13 @@ class RunConfig:
     def __post_init__(self) -> None:
         if self.mode not in typing.get_args(Mode):
             raise ValueError(f"mode must be one of {typing.get_args(Mode)}, got {self.mode!r}")
+        if self.ids not in typing.get_args(IdMode):
+            raise ConfigError(f'[run].ids = {self.ids!r}: choose "seeded" or "clock"')
         for name in ("steps", "updates_per_round", "batch_size", "checkpoint_every", "actors"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in (
-            "keep_checkpoints", "min_rows", "warm_start_steps", "eval_every", "max_tokens_per_batch"
+            "keep_checkpoints", "min_rows", "warm_start_steps", "max_tokens_per_batch"
         ):  # fmt: skip
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -267,6 +277,7 @@ SECTIONS: dict[str, type] = {
     "loss": LossConfig,
     "optim": OptimConfig,
     "run": RunConfig,
+    "eval": EvalConfig,
 }
 
 
@@ -285,6 +296,37 @@ FOLLOW_RUN = {
 # [optim].grad_checkpointing (run.json files of earlier runs hold it) turns the learner's
 # gradient checkpointing on as [model].gradient_checkpointing does.
 DEPRECATED = {("optim", "grad_checkpointing"): ("model", "gradient_checkpointing")}
+
+# Keys that moved to another table, still read there (with a FutureWarning; run.json files of
+# earlier runs are read silently, see trainer.run.resume): (section, old key) -> (section, key).
+MOVED = {("task", "eval_prompts"): ("eval", "prompts"), ("run", "eval_every"): ("eval", "every")}
+
+
+def move_keys(d: dict[str, Any], *, warn: bool = True) -> dict[str, Any]:
+    """``d`` (a config dict) with MOVED keys at their new place (a copy; ``d`` is not changed).
+    An old key beside its new one with another value is a :class:`ConfigError`."""
+    d = {name: dict(v) if isinstance(v, dict) else v for name, v in d.items()}
+    for (section, old), (target, key) in MOVED.items():
+        table = d.get(section)
+        if not isinstance(table, dict) or old not in table:
+            continue
+        value = table.pop(old)
+        dest = d.setdefault(target, {})
+        if not isinstance(dest, dict):
+            continue  # "[eval] must be a table" is said when it is built
+        if key in dest and dest[key] != value:
+            raise ConfigError(
+                f"[{section}].{old} = {value!r} and [{target}].{key} = {dest[key]!r}: the old "
+                f"key moved to [{target}].{key}; remove [{section}].{old}"
+            )
+        if warn:
+            warnings.warn(
+                f"[{section}].{old} moved to [{target}].{key}: set that instead (read as it)",
+                FutureWarning,
+                stacklevel=3,
+            )
+        dest[key] = value
+    return d
 
 
 def _build(section: str, cls: type, values: dict[str, Any]) -> Any:
@@ -370,6 +412,7 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     run: RunConfig = field(default_factory=RunConfig)
     control: ControlConfig = field(default_factory=ControlConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     def __post_init__(self) -> None:
         for (section, key), source in FOLLOW_RUN.items():
@@ -388,6 +431,11 @@ class TrainConfig:
                 "train them with DDP replicas); set [run].fsdp = false or remove [model.lora]"
             )
         check_turns(self.task, self.generation)
+        if self.eval.greedy and self.task.tools:
+            raise ConfigError(
+                "[eval].greedy with [task].tools: multi-turn evals sample each turn; set "
+                "[eval].greedy = false (samples_per_prompt and temperature as wanted)"
+            )
         if self.control.enabled and self.run.mode != "sync":
             raise ConfigError(
                 "[replay.control].enabled: the replay-ratio controller drives the sync loop "
@@ -401,7 +449,7 @@ class TrainConfig:
                 raise ConfigError(
                     f"[{section}]: unknown section; known sections: {', '.join(SECTIONS)}"
                 )
-        d = {name: dict(v) if isinstance(v, dict) else v for name, v in d.items()}
+        d = move_keys(d)  # [task].eval_prompts, [run].eval_every: now [eval]'s
         replay, control = _split_sub(d.get("replay", {}), "replay", "control")
         d["replay"] = replay
         model, lora = _split_sub(d.get("model", {}), "model", "lora")
@@ -496,6 +544,7 @@ TABLES: dict[str, type] = {
     "loss": LossConfig,
     "optim": OptimConfig,
     "run": RunConfig,
+    "eval": EvalConfig,
 }
 # Subtables that are off unless present: their keys are printed commented out.
 OFF_UNLESS_PRESENT = {"model.lora"}

@@ -128,7 +128,7 @@ def _task_config(tmp_path, task: str) -> str:
     cfg = Path(_config(tmp_path))
     text = cfg.read_text()
     start = text.index("[task]\n")
-    end = text.index("eval_prompts")
+    end = text.index("[generation]")
     cfg.write_text(text[:start] + task + text[end:])
     return str(cfg)
 

@@ -175,10 +175,8 @@ def test_sync_run_with_vllm_updates_the_engine_in_place_and_verifies_it(tmp_path
     cfg = TrainConfig.from_dict(
         {
             "model": {"num_layers": 1},
-            "task": {
-                "options": {"max_operands": 2, "max_digits": 1, "ops": ["+"]},
-                "eval_prompts": 0,
-            },
+            "task": {"options": {"max_operands": 2, "max_digits": 1, "ops": ["+"]}},
+            "eval": {"prompts": 0},
             "generation": {
                 "backend": "vllm",
                 "group_size": 4,
@@ -214,5 +212,13 @@ def test_sync_run_with_vllm_updates_the_engine_in_place_and_verifies_it(tmp_path
         (1, 1, 1),
     ]
     assert all(e["max_logprob_gap"] <= 1e-3 for e in weights)
+    # Its time: the engine start counts as start-up; the in-place update as a sync, with parts.
+    syncs = [e for e in events if e["kind"] == "sync"]
+    assert [(e["policy_version"], e["first"]) for e in syncs] == [(0, True), (1, False)]
+    update = syncs[1]
+    assert update["transfer_seconds"] > 0 and update["verify_seconds"] > 0
+    assert update["seconds"] >= update["transfer_seconds"] + update["verify_seconds"]
+    assert result.timing["sync_seconds"] == pytest.approx(update["seconds"])
+    assert result.timing["startup_seconds"] > syncs[0]["seconds"]
     assert not (tmp_path / "run" / "weights" / "v-000000001").exists()  # no folder, no restart
     assert (tmp_path / "run" / "weights" / "v-000000002" / "model.safetensors").exists()

@@ -85,6 +85,7 @@ class LivePolicy:
                     "max_logprob_gap": self.vllm.last_gap,
                     "engine_starts": self.vllm.restarts,
                     "in_place_updates": self.vllm.in_place,
+                    **self.vllm.last_seconds,
                 }
             )
         self.version = v
@@ -219,6 +220,7 @@ class VLLMPolicy:
         self.last_gap: float | None = None  # of the newest verification
         self.restarts = 0  # engine starts, the first included
         self.in_place = 0  # versions loaded into the running engine
+        self.last_seconds: dict[str, float] = {}  # the newest in-place update's parts
 
     def load(self, version: int, folder: Path):
         """Load the published ``folder`` of ``version`` (FileNotFoundError if it was pruned)."""
@@ -250,6 +252,10 @@ class VLLMPolicy:
             print(f"policy version {version}: {exc}; restarting the engine", flush=True)
             return self._restart(version, folder())
         self.last_gap = u.gap
+        self.last_seconds = {
+            "transfer_seconds": u.update_seconds,
+            "verify_seconds": u.verify_seconds,
+        }
         self.in_place += 1
         if self.verbose:
             print(
@@ -272,6 +278,7 @@ class VLLMPolicy:
             **self.generation.engine_options(),
         )
         self.restarts += 1
+        self.last_seconds = {}  # an engine start: its time is the whole sync's
         self.last_gap = verify_logprobs(
             self.gen, folder, self.generation, self.task, trust_remote_code=self.trust_remote_code
         )

@@ -193,10 +193,13 @@ def run_actor(
 
 def _round_ids(cfg: TrainConfig, meta: dict[str, Any], actor_id: int, rnd: int) -> RoundIds:
     """Round ``rnd`` of this actor: its seed and ids are functions of (seed, actor, round)."""
+    from trainer.run.setup import id_scheme
+
     run_id = meta["run_id"]
+    prefix, time_ms = id_scheme(meta)
     return RoundIds(
-        run_id, policy_id=run_id, id_namespace=f"{run_id}/a{actor_id}/r{rnd}",
-        id_time_ms=meta["start_ms"], seed=actor_seed(cfg.run.seed, actor_id, rnd),
+        run_id, policy_id=run_id, id_namespace=f"{prefix}/a{actor_id}/r{rnd}",
+        id_time_ms=time_ms, seed=actor_seed(cfg.run.seed, actor_id, rnd),
     )  # fmt: skip
 
 

@@ -32,11 +32,17 @@ Actor K, top to bottom:
         the engine from the folder only if that check fails)
         if this version has already produced `ahead` rounds, wait for newer weights
         generate round r: prompts and seeds are functions of (run seed, K, r), rollout ids of
-        (run id, K, r, batch), appended in atomic batches; then record r + 1 in a{K}.json
+        (the run's id prefix, K, r, batch), appended in atomic batches; then record r + 1 in
+        a{K}.json (the prefix: with [run].ids = "seeded", the seed and a hash of the config)
 
 No rollout is lost or duplicated when an actor dies: a restarted actor starts again at the
 round it had not finished (and finishes it even after STOP, so every round in the store is
 complete), and generate_rollouts skips the batches already in the store.
+
+Twin runs are not identical either (same seed and config, two folders): each actor round's
+prompts, sampling seeds and rollout ids agree, but which policy version samples round r,
+the order the rounds reach the store, and so each step's draw and the final weights, follow
+the processes' relative speed. Use the sync loop for runs that must repeat exactly.
 
 Resume is not bit-for-bit: which policy version generated which round, and so which
 rollouts a learner step can draw, depends on the relative speed of processes. A resumed
@@ -64,11 +70,12 @@ from trainer.config import (
     TrainConfig,
     configured_location,
 )
+from trainer.rollout.evaluation import EvalResult
 from trainer.rollout.weights import publish_weights, remove_text, write_text
 from trainer.run.actor import PARENT_ENV, POLL_SECONDS
 from trainer.run.checkpoint import save_run_checkpoint
 from trainer.run.faults import ACTOR_FAULT_ENV
-from trainer.run.loop import Loop
+from trainer.run.loop import TIME_KEYS, Loop
 from trainer.run.metrics import Metrics
 from trainer.run.setup import (
     TrainResult,
@@ -181,6 +188,7 @@ class AsyncLoop(Loop):
     """
 
     def __init__(self, cfg: TrainConfig, *, resume: bool):
+        self.t0 = time.perf_counter()  # startup_seconds count from here (trainer.run.loop)
         r = cfg.run
         self.cfg, self.main = cfg, True
         self.run_dir = run_dir = Path(r.dir).resolve()
@@ -240,14 +248,16 @@ class AsyncLoop(Loop):
         batch's, the totals so far."""
         r = self.cfg.run
         if self.step % PUBLISH_EVERY == 0 or self.step == r.steps:
-            self._publish()
+            t0 = time.perf_counter()
+            self._publish()  # the actors load it in their own time (their records say how long)
+            self.totals["sync_seconds"] += time.perf_counter() - t0
         m.update(_batch_metrics(batch, self.version), **self.totals, **self.generated.read())
         # Mean uses per generated rollout so far (sync runs log the planned y * B / R).
         m["replay_ratio"] = self.step * r.batch_size / max(1, m["generated_rollouts"])
         return m
 
-    def evaluate(self) -> float:
-        """The eval reward of the learner's current weights, loaded into the HF generator."""
+    def evaluate(self) -> EvalResult | None:
+        """The evaluation of the learner's current weights, loaded into the HF generator."""
         self.generator.model.load_state_dict(self.learner.full_weights())  # LoRA: merged
         self.generator.policy_version = self.learner.policy_version
         return evaluate(self.generator, self.task, self.cfg)
@@ -276,7 +286,7 @@ class AsyncLoop(Loop):
 
 def _progress(state: dict[str, Any] | None) -> tuple[int, dict[str, float], float | None]:
     """(step, time totals, first eval reward) of a fresh run, or of the checkpoint ``state``."""
-    step, totals = 0, {"train_seconds": 0.0, "wait_seconds": 0.0}
+    step, totals = 0, {**dict.fromkeys(TIME_KEYS, 0.0), "wait_seconds": 0.0}
     first_eval = None
     if state is not None:
         step, first_eval = state["step"], state.get("first_eval")

@@ -6,7 +6,9 @@ Compares, in this order, each learner step's drawn rollout ids (every row of the
 ``usage`` table for the run's own id, so a step recorded twice is a difference too) and the
 final weights (the newest checkpoint's ``model.safetensors``, tensor by tensor, bit for bit),
 and names the first difference. Use it on a run killed and resumed against the same config run
-uninterrupted (the same ``run_id`` and ``id_time_ms``, so that rollout ids agree).
+uninterrupted, or on twin runs (the same config and seed in two folders): with the default
+``[run].ids = "seeded"`` their rollout ids agree; with ``"clock"`` only runs sharing
+``run_id`` and ``id_time_ms`` do.
 """
 
 from __future__ import annotations

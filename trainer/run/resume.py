@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from trainer.config import TrainConfig
+from trainer.config import TrainConfig, move_keys
 from trainer.errors import ConfigError, RunDirError
 
 if TYPE_CHECKING:
@@ -151,14 +151,17 @@ def check_resume_store(run_dir: str | os.PathLike, uri: str, storage_options=Non
 def effective_config(meta: dict[str, Any]) -> dict[str, Any]:
     """The config the run last ran with: its newest resume's, else the one it started with."""
     resumes = meta.get("resumes") or []
-    return resumes[-1]["config"] if resumes else meta["config"]
+    config = resumes[-1]["config"] if resumes else meta["config"]
+    # Keys that moved since the run started are read at their new place, without a warning:
+    # run.json is the run's record, not a file the user edits.
+    return move_keys(config, warn=False)
 
 
 def config_changes(before: dict[str, Any], cfg: TrainConfig) -> dict[str, tuple[Any, Any]]:
     """``{"section.key": (old, new)}`` for each value ``cfg`` changes against the config dict
     ``before`` (both normalised: defaults filled in, as in run.json). ``run.dir`` is left
     out: a moved or relatively named folder is the same run."""
-    old = _as_json(TrainConfig.from_dict(before).to_dict())
+    old = _as_json(TrainConfig.from_dict(move_keys(before, warn=False)).to_dict())
     changes = _diff(old, _as_json(cfg.to_dict()))
     changes.pop("run.dir", None)
     return changes

@@ -12,7 +12,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from rolloutstore import RolloutStore
@@ -23,7 +22,8 @@ from trainer.config import TrainConfig, configured_location, storage_options_fro
 from trainer.errors import RunDirError
 from trainer.models.load import check_model_dir, load_model, resolve_device, resolve_dtype
 from trainer.models.lora import apply_lora
-from trainer.rollout.multiturn import samples_for_task
+from trainer.rollout.evaluation import EvalResult
+from trainer.rollout.evaluation import evaluate as run_eval
 from trainer.run.checkpoint import (
     latest_checkpoint,
     newest_good_checkpoint,
@@ -32,7 +32,6 @@ from trainer.run.checkpoint import (
 )
 from trainer.run.distributed import Dist, shard_learner, wrap_learner
 from trainer.run.resume import note_resume, read_run_meta
-from trainer.tasks import score_completion
 from trainer.tasks.chat import render_prompts
 
 
@@ -43,6 +42,7 @@ class TrainResult:
     steps: int
     first_eval: float | None
     last_eval: float | None
+    timing: dict[str, float] | None = None  # rank 0: the run's time accounting (loop.py)
 
 
 def warm_start(
@@ -96,27 +96,12 @@ def warm_start(
     return losses
 
 
-def evaluate(generator, task, cfg: TrainConfig) -> float:
-    """Mean reward on held-out prompts (the task's eval split, rendered as in generation; one
-    sample each, training temperature, fixed seed)."""
-    n = cfg.task.eval_prompts
-    if n == 0:
-        return float("nan")
-    prompts = render_prompts(
-        generator.tokenizer, task.make_eval_prompts(n, seed=10_000_019 + cfg.run.seed),
-        task.chat_template,
-    )  # fmt: skip
-    g = cfg.generation
-    sampling = g.sampling(group_size=1, seed=cfg.run.seed + 99)
-    samples = samples_for_task(
-        generator, task, [p.prompt_text for p in prompts], max_turns=g.max_turns,
-        max_total_tokens=g.max_total_tokens, **sampling.kwargs(),
-    )  # fmt: skip
-    return float(
-        np.mean(
-            [score_completion(task, p, s.completion_text).reward for p, s in zip(prompts, samples)]
-        )
-    )
+def evaluate(generator, task, cfg: TrainConfig) -> EvalResult | None:
+    """The held-out evaluation ``[eval]`` configures (None with ``[eval].prompts = 0``): the
+    task's eval split rendered as in generation, the same prompts and seeds at every eval."""
+    if cfg.eval.prompts == 0:
+        return None
+    return run_eval(generator, task, cfg.eval, cfg.generation, cfg.run.seed)
 
 
 def store_location(cfg: TrainConfig, run_dir: Path) -> tuple[str, dict[str, str] | None]:
@@ -300,10 +285,62 @@ def run_meta(run_dir: Path, cfg: TrainConfig, resume: bool) -> dict[str, Any]:
             f"{run_dir} already holds a run; continue it with `rolloutstore-train resume "
             f"{run_dir}` or choose another [run].dir"
         )
-    start_ms = cfg.run.id_time_ms or time.time_ns() // 1_000_000
-    meta = {"run_id": cfg.run_id, "start_ms": start_ms, "config": cfg.to_dict()}
+    start_ms = time.time_ns() // 1_000_000
+    if cfg.run.ids == "clock":
+        ids = {"mode": "clock", "prefix": cfg.run_id, "time_ms": cfg.run.id_time_ms or start_ms}
+    else:
+        ids = {"mode": "seeded", "prefix": seeded_id_prefix(cfg), "time_ms": cfg.run.id_time_ms}
+    meta = {"run_id": cfg.run_id, "start_ms": start_ms, "ids": ids, "config": cfg.to_dict()}
     meta_path.write_text(json.dumps(meta, indent=2))
     return meta
+
+
+# [run] keys that change no generated row: where the run lives, how its ids are made, how
+# often it saves, where it stops (run.steps reaches the rows only through [optim].total_steps,
+# which the hash keeps). A resume or a twin that differs only in these is the same run.
+_NOT_IN_ROWS = (
+    "dir", "store", "weights", "ids", "id_time_ms", "checkpoint_every", "keep_checkpoints",
+    "steps", "max_generated_tokens",
+)  # fmt: skip
+
+
+def seeded_id_prefix(cfg: TrainConfig) -> str:
+    """The namespace of a seeded run's rollout ids: its seed and a hash of its config less the
+    keys that change no row (its folders, checkpoint schedule, length: _NOT_IN_ROWS, and
+    [eval]). Twin runs (same seed and config, any folders) write the same ids; runs that
+    differ in a setting that shapes their rows (a replay source, a temperature, an explicit
+    [run].run_id) do not collide when one imports the other's rows or they share a store."""
+    import hashlib
+
+    d = cfg.to_dict()
+    d["run"] = {k: v for k, v in d["run"].items() if k not in _NOT_IN_ROWS}
+    d.pop("eval", None)  # evaluation settings change no generated row
+    digest = hashlib.blake2b(json.dumps(d, sort_keys=True).encode(), digest_size=8).hexdigest()
+    return f"seed{cfg.run.seed}-{digest}"
+
+
+def id_scheme(meta: dict[str, Any]) -> tuple[str, int]:
+    """(namespace prefix, UUIDv7 time field) of a run's rollout ids, from its run.json (runs
+    started before [run].ids existed: their run id and start time, as they were made)."""
+    ids = meta.get("ids")
+    if isinstance(ids, dict):
+        return str(ids["prefix"]), int(ids["time_ms"])
+    return meta["run_id"], int(meta["start_ms"])
+
+
+def check_twin_ids(store: RolloutStore, run_id: str, first_id: str) -> None:
+    """At a fresh start: refuse when the store already holds this run's first rollout id from
+    another run (a twin: the same seed and config, seeded ids, one shared store), whose rows
+    this run would skip as its own instead of writing them."""
+    rows = store.sql(
+        "SELECT run_id FROM rollouts WHERE rollout_id = ? LIMIT 1", [first_id]
+    ).to_pylist()
+    if rows and rows[0]["run_id"] != run_id:
+        raise RunDirError(
+            f"the store already holds rollouts with this run's ids, written by run "
+            f"{rows[0]['run_id']!r} (the same seed and config); set another [run].seed, an "
+            '[run].run_id of its own, or [run].ids = "clock", or give this run its own store'
+        )
 
 
 def check_world_size(run_dir: Path, d: Dist) -> None:

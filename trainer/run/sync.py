@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,7 @@ from rolloutstore.replay.budget import budget_metrics
 from trainer.config import TrainConfig
 from trainer.control import ReplayController
 from trainer.errors import RunDirError
+from trainer.rollout.evaluation import EvalResult
 from trainer.rollout.pipeline import RoundIds, generate_rollouts, resolve_backend
 from trainer.rollout.policy import LivePolicy
 from trainer.rollout.weights import publish_weights
@@ -56,8 +58,10 @@ from trainer.run.resume import check_resume, check_resume_store
 from trainer.run.setup import (
     TrainResult,
     check_start,
+    check_twin_ids,
     check_world_size,
     evaluate,
+    id_scheme,
     prepare_model,
     removed_on_failure,
     report_sources,
@@ -121,6 +125,7 @@ class SyncLoop(Loop):
     """
 
     def __init__(self, cfg: TrainConfig, d: Dist, *, resume: bool):
+        self.t0 = time.perf_counter()  # startup_seconds count from here (trainer.run.loop)
         r = cfg.run
         if r.batch_size < d.world_size:
             raise RunDirError(
@@ -142,12 +147,15 @@ class SyncLoop(Loop):
             self.model_dir = prepare_model(cfg, run_dir)  # built by rank 0: resolves the path
         if resume:
             check_world_size(run_dir, d)
-        self.run_id, self.start_ms = meta["run_id"], meta["start_ms"]
+        self.run_id = meta["run_id"]
+        self.id_prefix, self.id_time_ms = id_scheme(meta)  # seeded: not the folder, nor the clock
         self.task = cfg.task.build()
         self.store = RolloutStore.open(self.store_uri, storage_options=options)
         self.learner, self.loader, state = setup_learner(
             cfg, run_dir, self.run_id, self.store, self.task, self.model_dir, resume, dist=d
         )
+        if state is None and d.is_main:  # a twin's rows in a shared store: refused, not reused
+            check_twin_ids(self.store, self.run_id, self._round_ids(0).rollout_ids(0, 1)[0])
         d.barrier()  # rank 0's source imports are in the store before any rank draws
         # Draw from the store as the uninterrupted run did (see trainer.run.store_view).
         self.store_view = ResumeStoreView(self.store, self.run_id, state)
@@ -163,6 +171,7 @@ class SyncLoop(Loop):
             self.loader.retarget(config=replace(cfg.replay, fresh_fraction=fresh))
         # Rank 0 is the only generator and the only writer of metrics, checkpoints, weights.
         self.policy = self.metrics = self.generator = None
+        self.synced_version: int | None = None  # the learner version the generator holds
         if self.main:
             backend = resolve_backend(cfg.generation.backend)
             self.policy = LivePolicy(
@@ -194,7 +203,7 @@ class SyncLoop(Loop):
         self.step = state.get("step", 0)
         self.totals = state.get("totals") or {
             "generated_tokens": 0, "generated_rollouts": 0, "gen_seconds": 0.0,
-            "train_seconds": 0.0,
+            "train_seconds": 0.0, "sync_seconds": 0.0, "eval_seconds": 0.0,
         }  # fmt: skip
         self.first_eval = state.get("first_eval")
         # The round schedule: round `rnd` is generated when `step` reaches `next_round`
@@ -211,6 +220,14 @@ class SyncLoop(Loop):
                 self.controller.load_state_dict(sched["control"])
 
     # -- the loop's own steps (trainer.run.loop.Loop.run reads top to bottom) ---------------
+    def _round_ids(self, rnd: int) -> RoundIds:
+        """Round ``rnd``'s prompts, sampling seeds and rollout ids: functions of (seed, config,
+        round) under seeded ids ([run].ids), so twin runs in two folders write the same rows."""
+        return RoundIds(
+            self.run_id, policy_id=self.run_id, id_namespace=f"{self.id_prefix}/r{rnd}",
+            id_time_ms=self.id_time_ms, seed=self.cfg.run.seed * 1_000_003 + rnd,
+        )  # fmt: skip
+
     def done(self) -> bool:
         r = self.cfg.run
         budget = r.max_generated_tokens
@@ -222,14 +239,32 @@ class SyncLoop(Loop):
             self._round()
 
     def _sync_generator(self) -> None:
+        """The generator brought to the learner's weights; its time in ``sync_seconds`` (the
+        first: building the generator or starting the engine, in ``startup_seconds``) and a
+        ``sync`` record per update with its parts."""
+        version = self.learner.policy_version  # the same on every rank
+        if self.synced_version == version:
+            return  # already there: a round right after an eval at the same step
+        self.synced_version = version
+        first = self.generator is None
+        t0 = time.perf_counter()
         # Every rank calls this: a sharded learner gathers its weights collectively.
-        weights = self.learner.full_weights()
+        weights = self.learner.full_weights()  # with LoRA: merged into the base weights
+        t1 = time.perf_counter()
         if not self.main:
             return
         self.generator = self.policy.sync(self.learner, weights)
+        t2 = time.perf_counter()
+        self.totals["startup_seconds" if first else "sync_seconds"] += t2 - t0
+        rec = {
+            "policy_version": version, "seconds": t2 - t0,
+            "gather_seconds": t1 - t0, "load_seconds": t2 - t1, "first": first,
+        }  # fmt: skip
         for event in self.policy.events:  # vLLM: each verified weight update, logged
+            rec.update({k: v for k, v in event.items() if k.endswith("_seconds")})
             self.metrics.log("weights", self.step, event)
         self.policy.events.clear()
+        self.metrics.log("sync", self.step, rec)
 
     def _round(self) -> None:
         """Round ``rnd``, due now: y for the next rounds, the generator synced, rows appended."""
@@ -246,7 +281,7 @@ class SyncLoop(Loop):
         if self.main:
             summary = _generation_round(
                 self.cfg, self.store, self.task, self.generator, self.learner.policy_version,
-                self.step, self.rnd, self.run_id, self.start_ms, self.totals, self.metrics,
+                self.step, self.rnd, self._round_ids(self.rnd), self.totals, self.metrics,
             )  # fmt: skip
             self.policy_reward = summary.mean_reward
             if ctl is not None:
@@ -284,8 +319,8 @@ class SyncLoop(Loop):
             m.update(updates_per_round=ctl.updates, fresh_fraction=ctl.fresh)
         return m
 
-    def evaluate(self) -> float | None:
-        if self.cfg.task.eval_prompts:
+    def evaluate(self) -> EvalResult | None:
+        if self.cfg.eval.prompts:
             self._sync_generator()
         return evaluate(self.generator, self.task, self.cfg) if self.main else None
 
@@ -315,15 +350,9 @@ class SyncLoop(Loop):
             self.policy.close()
 
 
-def _generation_round(
-    cfg, store, task, generator, policy_version, step, rnd, run_id, start_ms, totals, metrics
-):
+def _generation_round(cfg, store, task, generator, policy_version, step, rnd, ids, totals, metrics):
     """Round ``rnd`` (due at learner step ``step``): generate with ``generator`` and append."""
     g = cfg.generation
-    ids = RoundIds(
-        run_id, policy_id=run_id, id_namespace=f"{run_id}/r{rnd}", id_time_ms=start_ms,
-        seed=cfg.run.seed * 1_000_003 + rnd,
-    )  # fmt: skip
     summary = generate_rollouts(
         store, generator, task, g.prompts_per_round, generation=g, policy_version=policy_version,
         ids=ids, progress=False, on_append=lambda b: crash_at(f"generate:{rnd}:{b}"),
