@@ -176,7 +176,9 @@ class HFPolicy:
         if self.gen is None:
             self.gen = self._first(version, folder)
         else:
-            state = read_published(folder)  # FileNotFoundError if pruned
+            state = read_published(
+                folder, trust_remote_code=self.trust_remote_code
+            )  # FileNotFoundError if pruned
             self.gen.model.load_state_dict(state, strict=True)
         self.gen.policy_version = version
         return self.gen
@@ -195,7 +197,7 @@ class HFPolicy:
         device = resolve_device(self.device)
         dtype = resolve_dtype(self.dtype, device, key="[generation].dtype")
         if is_adapter_folder(folder):  # adapters (read first: pruned -> FileNotFoundError)
-            state = read_published(folder)
+            state = read_published(folder, trust_remote_code=self.trust_remote_code)
             gen = HFGenerator(
                 model_folder(folder), policy_version=version, policy_id=self.run_id,
                 device=device, dtype=dtype, attn_implementation=self.attn_implementation,
@@ -266,7 +268,7 @@ class VLLMPolicy:
         """Load the published ``folder`` of ``version`` (FileNotFoundError if it was pruned)."""
         if self.gen is None:
             return self._restart(version, folder)
-        state = read_published(folder)
+        state = read_published(folder, trust_remote_code=self.trust_remote_code)
         return self.update(version, state, lambda: folder)
 
     def update(self, version: int, state: dict, folder):
@@ -303,7 +305,11 @@ class VLLMPolicy:
         self.close()
         # An adapter folder: the engine starts from its base and gets the merged weights in
         # place (verified there); the adapters are read first, so a pruned folder fails early.
-        state = read_published(folder) if is_adapter_folder(folder) else None
+        state = (
+            read_published(folder, trust_remote_code=self.trust_remote_code)
+            if is_adapter_folder(folder)
+            else None
+        )
         self.gen = VLLMGenerator(
             model_folder(folder),
             policy_version=version,

@@ -134,11 +134,14 @@ class VLLMGenerator:
         )
         if enforce_eager not in (True, False, "auto"):
             raise ValueError(f'enforce_eager must be true, false or "auto", got {enforce_eager!r}')
-        vllm = _import_vllm()
         from trainer.models.load import resolve_dtype
         from trainer.rollout.vllm_env import cpu_env, engine_output
 
-        on_cpu = _on_cpu()
+        self.engine_log = Path(engine_log) if engine_log is not None else None
+        with engine_output(self.engine_log):  # importing vLLM prints too (Triton, ...)
+            vllm = _import_vllm()
+            on_cpu = _on_cpu()
+
         self.model_path = Path(model_path)
         self.policy_version = policy_version
         self.policy_id = policy_id
@@ -157,7 +160,6 @@ class VLLMGenerator:
         options.update(llm_kwargs)
         self._reference: Any = None  # HF model of the current weights, for verification
         self._refusal: str | None = None  # set while the engine may hold unverified weights
-        self.engine_log = Path(engine_log) if engine_log is not None else None
         env = cpu_env(cpu_threads, cpu_slot, tensor_parallel_size) if on_cpu else {}
         self._llm = None
         with engine_output(self.engine_log, env):

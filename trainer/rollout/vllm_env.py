@@ -24,6 +24,7 @@ everything to the terminal, as vLLM prints it.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import re
@@ -53,6 +54,8 @@ NOISE = tuple(
         r"doesn't allow to use `torch\.set_num_threads`",
         r"`torch\.distributed\.reduce_op` is deprecated",
         r"No available shared memory broadcast block",  # a long torch.compile warm-up
+        r"OMP_NUM_THREADS=\d+ is set; leaving Torch threads",  # the cores we gave it
+        r"\[shutdown\] Process manager: force killing",  # close() after the engine's timeout
     )
 )
 _WARNING = re.compile(r"\b(WARNING|ERROR|CRITICAL)\b|^\[?[WE]\d{4} |Traceback|Error:")
@@ -73,44 +76,65 @@ def cpu_env(threads: int | None, slot: int = 0, tensor_parallel_size: int = 1) -
     return {_BIND: ",".join(map(str, chosen))}
 
 
-class _Quiet(logging.Filter):
-    """On this process's vLLM stream handlers: nothing while an engine starts (the log file has
-    it all and the start is reported from there), then only warnings that are not noise."""
+class Quiet(logging.Filter):
+    """The filter on the terminal handler of vLLM's loggers (:func:`logging_config`): warnings
+    and errors that are not :data:`NOISE`; nothing while this process starts an engine (the
+    start is reported from the log file afterwards, :func:`report`)."""
 
-    starting = False
+    starting = False  # class-wide: dictConfig builds its own instance
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if self.starting or record.levelno < logging.WARNING:
+        if Quiet.starting or record.levelno < logging.WARNING:
             return False
         return not is_noise(record.getMessage())
-
-
-_QUIET = _Quiet()
 
 
 def is_noise(line: str) -> bool:
     return any(p.search(line) for p in NOISE)
 
 
-def _quiet_parent_logger(log_path: Path) -> None:
-    """Route this process's ``vllm`` records to ``log_path`` (all) and the terminal (warnings
-    that are not noise): once per log file."""
-    log = logging.getLogger("vllm")
-    for h in log.handlers:
-        if isinstance(h, logging.StreamHandler) and _QUIET not in h.filters:
-            h.addFilter(_QUIET)
-    target = str(log_path.resolve())
-    if not any(getattr(h, "baseFilename", None) == target for h in log.handlers):
-        handler = logging.FileHandler(target)
-        handler.setFormatter(logging.Formatter("(MainProcess) %(levelname)s %(message)s"))
-        log.addHandler(handler)
+def logging_config(log_path: Path) -> dict:
+    """vLLM's ``dictConfig`` (``VLLM_LOGGING_CONFIG_PATH``, read by this process and the
+    engine's): every record to ``log_path``, warnings to act on to stderr."""
+    fmt = "(%(processName)s pid=%(process)d) %(levelname)s %(asctime)s [%(name)s] %(message)s"
+    return {
+        "version": 1,
+        "disable_existing_loggers": False,
+        "filters": {"quiet": {"()": f"{__name__}.Quiet"}},
+        "formatters": {"plain": {"format": fmt}},
+        "handlers": {
+            "file": {
+                "class": "logging.FileHandler",
+                "filename": str(log_path),
+                "formatter": "plain",
+                "level": "DEBUG",
+            },
+            "terminal": {
+                "class": "logging.StreamHandler",
+                "stream": "ext://sys.stderr",
+                "formatter": "plain",
+                "level": "WARNING",
+                "filters": ["quiet"],
+            },
+        },  # fmt: skip
+        "loggers": {
+            "vllm": {"handlers": ["file", "terminal"], "level": "INFO", "propagate": False}
+        },
+    }
 
 
 @contextlib.contextmanager
-def engine_output(log_path: Path | None, env: dict[str, str]) -> Iterator[None]:
-    """Start an engine inside this block: ``env`` set for its processes; with ``log_path``,
-    their output sent to that file (see the module docstring), warnings a user must act on
-    echoed to stderr afterwards, and the log's tail if the start fails."""
+def engine_output(log_path: Path | None, env: dict[str, str] | None = None) -> Iterator[None]:
+    """Import vLLM or start an engine inside this block: ``env`` set for its processes; with
+    ``log_path``, their output sent to that file (see the module docstring), warnings a user
+    must act on echoed to stderr afterwards, and the log's tail if the block fails."""
+    env = dict(env or {})
+    if log_path is not None:
+        log_path = Path(log_path).resolve()
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        config = log_path.parent / f".{log_path.stem}-logging.json"
+        config.write_text(json.dumps(logging_config(log_path), indent=1))
+        env["VLLM_LOGGING_CONFIG_PATH"] = str(config)
     old_env = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     if log_path is None:
@@ -119,15 +143,11 @@ def engine_output(log_path: Path | None, env: dict[str, str]) -> Iterator[None]:
         finally:
             _restore(old_env)
         return
-    import vllm  # noqa: F401 (configures its logger, which gets our handlers next)
-
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    _quiet_parent_logger(log_path)
     start = log_path.stat().st_size if log_path.exists() else 0
     sys.stdout.flush()
     sys.stderr.flush()
     saved = os.dup(1), os.dup(2)
-    _QUIET.starting = True
+    Quiet.starting = True
     failed = True
     try:
         with open(log_path, "ab", buffering=0) as f:
@@ -142,7 +162,7 @@ def engine_output(log_path: Path | None, env: dict[str, str]) -> Iterator[None]:
         os.dup2(saved[1], 2)
         os.close(saved[0])
         os.close(saved[1])
-        _QUIET.starting = False
+        Quiet.starting = False
         _restore(old_env)
         report(log_path, start, tail=40 if failed else 0)
 
@@ -156,7 +176,9 @@ def report(log_path: Path, start: int = 0, *, tail: int = 0) -> list[str]:
             lines = f.read().decode(errors="replace").splitlines()
     except FileNotFoundError:
         return []
-    shown = [ln for ln in lines if _WARNING.search(ln) and not is_noise(ln)]
+    # dict.fromkeys: an engine process's warning reaches the file twice (its log handler, and
+    # its stderr, which is the file too).
+    shown = list(dict.fromkeys(ln for ln in lines if _WARNING.search(ln) and not is_noise(ln)))
     if tail:
         shown = [*shown, f"--- last lines of {log_path} ---", *lines[-tail:]]
     for line in shown:

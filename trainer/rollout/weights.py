@@ -277,10 +277,12 @@ def model_folder(folder: str | os.PathLike) -> Path:
 _BASE_STATES: dict[str, dict[str, torch.Tensor]] = {}  # one base per process: a run's
 
 
-def read_published(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
+def read_published(
+    folder: str | os.PathLike, *, trust_remote_code: bool = False
+) -> dict[str, torch.Tensor]:
     """The full weights of a published folder, under the model's names: its tensors, or its
-    base's with the adapters merged in (the learner's :meth:`Learner.full_weights`).
-    FileNotFoundError if the folder was pruned."""
+    base's with the adapters merged in (the learner's :meth:`Learner.full_weights`; the base
+    is loaded with ``[model].trust_remote_code``). FileNotFoundError if it was pruned."""
     folder = Path(folder)
     if not is_adapter_folder(folder):
         return load_file(str(folder / "model.safetensors"))
@@ -289,7 +291,8 @@ def read_published(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
     if key not in _BASE_STATES:
         from trainer.models.load import load_model
 
-        model, _ = load_model(base)  # float32, tied weights under both names
+        # float32, tied weights under both names
+        model, _ = load_model(base, trust_remote_code=trust_remote_code)
         _BASE_STATES.clear()
         _BASE_STATES[key] = {k: v.detach() for k, v in model.state_dict().items()}
     try:
@@ -304,7 +307,7 @@ def load_published_model(folder: str | os.PathLike, **kwargs) -> tuple[torch.nn.
 
     model, tok = load_model(model_folder(folder), **kwargs)
     if is_adapter_folder(folder):
-        state = read_published(folder)
+        state = read_published(folder, trust_remote_code=kwargs.get("trust_remote_code", False))
         model.load_state_dict(state, strict=True)
     return model, tok
 
