@@ -1,7 +1,7 @@
 """vLLM CPU generation speed on a real model: the cores it binds, float32 vs bfloat16.
 
     python tools/bench_cpu_engine.py                       # SmolLM2-135M from .cache/smollm2/fp32
-    python tools/bench_cpu_engine.py --model DIR --prompts 32 --max-tokens 64
+    python tools/bench_cpu_engine.py --model DIR --prompts 32 --max-tokens 64   # the docs table
 
 Four engine starts (eager, as the trainer starts them on CPU), each in its own process because
 vLLM reads its CPU binding from the environment at start-up:
@@ -15,7 +15,7 @@ vLLM reads its CPU binding from the environment at start-up:
 each in float32 and bfloat16. Each process starts the engine, generates one warm-up batch, then
 times ``--prompts`` chat prompts x ``--max-tokens`` tokens (min_tokens = max_tokens, so every
 run generates the same number of tokens) and prints generated tokens per second. The table puts
-them side by side with the ratios. About 4-5 minutes on SmolLM2-135M with 2 cores.
+them side by side with the ratios. About 4-5 minutes on SmolLM2-135M with 2 quiet cores.
 Scripts that start vLLM must do it under ``if __name__ == "__main__":`` (spawned workers).
 """
 
@@ -72,7 +72,7 @@ def measure(model: str, dtype: str, prompts: int, max_tokens: int, log: str) -> 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=str(ROOT / ".cache" / "smollm2" / "fp32"))
-    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one config, print JSON
     args = ap.parse_args()

@@ -213,3 +213,17 @@ def test_enforce_eager_is_auto_by_default_and_takes_true_false_auto():
         TrainConfig.from_dict({"generation": {"enforce_eager": "sometimes"}})
     with pytest.raises(ConfigError, match=r"\[generation\]\.engine_log"):
         TrainConfig.from_dict({"generation": {"engine_log": "loud"}})
+
+
+def test_a_busy_machine_gets_a_threads_hint_once(monkeypatch):
+    import trainer.rollout.vllm_env as E
+
+    monkeypatch.setattr(E, "_HINTED", [])
+    all_cores = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.2, 0.2, 0.2))
+    assert E.contention_hint(all_cores) is None
+    monkeypatch.setattr(os, "getloadavg", lambda: (cpu_count() + 4.0, 1.0, 1.0))
+    assert E.contention_hint({"VLLM_CPU_OMP_THREADS_BIND": "0"}) is None  # a share: no hint
+    hint = E.contention_hint(all_cores)
+    assert hint is not None and "[run] threads" in hint
+    assert E.contention_hint(all_cores) is None  # once per process

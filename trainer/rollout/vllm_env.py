@@ -76,6 +76,27 @@ def cpu_env(threads: int | None, slot: int = 0, tensor_parallel_size: int = 1) -
     return {_BIND: ",".join(map(str, chosen))}
 
 
+_HINTED: list[bool] = []
+
+
+def contention_hint(env: dict[str, str]) -> str | None:
+    """A one-line hint when the engine is about to bind every core of a machine that other
+    processes keep busy (1-minute load average above the core count): OpenMP threads that
+    spin-wait for each other then run slower than fewer threads (docs/platform.md measured
+    2.6x). Once per process."""
+    if env.get(_RESERVED) != "0" or _HINTED or not hasattr(os, "getloadavg"):
+        return None
+    load, n = os.getloadavg()[0], cpu_count()
+    if load <= n + 0.5:
+        return None
+    _HINTED.append(True)
+    return (
+        f"vLLM binds all {n} cores, but the load average is {load:.1f}: other processes "
+        f"compete for them, which makes multi-threaded generation slower; on a shared machine "
+        f"set [run] threads = {max(1, n // 2)}"
+    )
+
+
 class Quiet(logging.Filter):
     """The filter on the terminal handler of vLLM's loggers (:func:`logging_config`): warnings
     and errors that are not :data:`NOISE`; nothing while this process starts an engine (the
@@ -137,6 +158,9 @@ def engine_output(log_path: Path | None, env: dict[str, str] | None = None) -> I
         env["VLLM_LOGGING_CONFIG_PATH"] = str(config)
     old_env = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
+    hint = contention_hint(env)
+    if hint is not None:
+        print(hint, file=sys.stderr, flush=True)
     if log_path is None:
         try:
             yield
