@@ -276,12 +276,12 @@ class VLLMPolicy:
         from trainer.rollout.vllm_update import WeightUpdateError
 
         if self.gen is None:
-            return self._restart(version, folder())
+            return self._restart(version, folder(), state)
         try:
             u = self._update_verified(version, state)
         except WeightUpdateError as exc:
             print(f"policy version {version}: {exc}; restarting the engine", flush=True)
-            return self._restart(version, folder())
+            return self._restart(version, folder(), state)
         self.last_gap = u.gap
         self.in_place += 1
         if self.verbose:
@@ -299,17 +299,18 @@ class VLLMPolicy:
             temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=s.max_tokens,
         )  # fmt: skip
 
-    def _restart(self, version: int, folder: Path):
+    def _restart(self, version: int, folder: Path, state: dict | None = None):
         from trainer.rollout.vllm import VLLMGenerator
 
         self.close()
         # An adapter folder: the engine starts from its base and gets the merged weights in
         # place (verified there); the adapters are read first, so a pruned folder fails early.
-        state = (
-            read_published(folder, trust_remote_code=self.trust_remote_code)
-            if is_adapter_folder(folder)
-            else None
-        )
+        # ``state``: the version's full weights when the caller holds them (the sync learner:
+        # then no copy of the base is read or cached in its process).
+        if not is_adapter_folder(folder):
+            state = None
+        elif state is None:
+            state = read_published(folder, trust_remote_code=self.trust_remote_code)
         self.gen = VLLMGenerator(
             model_folder(folder),
             policy_version=version,
