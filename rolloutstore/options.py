@@ -21,6 +21,11 @@ def parse_scalar(s: str) -> Any:
     return s
 
 
+def _bool_or_str(s: str) -> bool | str:
+    """A CLI value of a Literal mixing bools and strings: true / false as bools."""
+    return {"true": True, "false": False}.get(s.lower(), s)
+
+
 def _unwrap_optional(tp):
     args = [a for a in get_args(tp) if a is not type(None)]
     if (
@@ -74,7 +79,10 @@ def add_dataclass_args(
             kw.pop("metavar", None)
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
         elif get_origin(tp) is Literal:
-            parser.add_argument(flag, choices=list(get_args(tp)), **kw)
+            choices = list(get_args(tp))
+            if any(isinstance(c, bool) for c in choices):  # e.g. Literal["auto", True, False]
+                kw["type"] = _bool_or_str
+            parser.add_argument(flag, choices=choices, **kw)
         elif tp is tuple or get_origin(tp) is tuple:
             parser.add_argument(flag, nargs="+", type=parse_scalar, **kw)
         elif tp in (int, float, str):

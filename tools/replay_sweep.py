@@ -175,10 +175,13 @@ def heldout(model_dir: Path, cfg: Any, sz: Sizing) -> dict[str, float]:
     """pass@1, pass@4, entropy and length of the model in ``model_dir`` on the fixed held-out
     prompts (``passk_samples`` samples each at the training temperature)."""
     from trainer.rollout.hf import HFGenerator
+    from trainer.rollout.weights import is_adapter_folder, model_folder, read_published
     from trainer.tasks.chat import render_prompts
 
     task = cfg.task.build()
-    gen = HFGenerator(model_dir, dtype=cfg.generation.dtype)
+    gen = HFGenerator(model_folder(model_dir), dtype=cfg.generation.dtype)
+    if is_adapter_folder(model_dir):  # a LoRA run's version: its adapters, merged
+        gen.model.load_state_dict(read_published(model_dir))
     prompts = render_prompts(
         gen.tokenizer, task.make_eval_prompts(sz.passk_prompts, seed=PASSK_SEED),
         task.chat_template,

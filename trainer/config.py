@@ -219,6 +219,17 @@ class RunConfig:
     pack: bool = _h("pack sequences into one row with cu_seqlens (no padding)", False)
     checkpoint_every: int = _h("learner steps between checkpoints", 10)
     keep_checkpoints: int = _h("checkpoints kept", 3)
+    keep_weight_versions: int = _h(
+        "published policy versions kept under the weights location (0: all); the versions the "
+        "kept checkpoints hold and the newest are never removed",
+        3,
+    )
+    threads: int = _h(
+        "CPU threads of each process the run starts (torch in the learner, generators and "
+        "actors; the cores a vLLM CPU engine binds); 0: sync, all cores (the learner waits while "
+        "vLLM generates); async, the cores split evenly between the learner and its actors",
+        0,
+    )
     mode: Mode = _h("sync: one process alternates; async: actors and a learner", "sync")
     actors: int = _h("async: actor processes", 1)
     min_rows: int = _h("async: the learner waits until the buffer holds this many rows", 64)
@@ -263,10 +274,31 @@ class RunConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in (
-            "keep_checkpoints", "min_rows", "warm_start_steps", "max_tokens_per_batch"
+            "keep_checkpoints", "min_rows", "warm_start_steps", "max_tokens_per_batch",
+            "keep_weight_versions", "threads",
         ):  # fmt: skip
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+
+def cpu_count() -> int:
+    """The cores this process may run on (its affinity mask, not the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def process_threads(run: RunConfig) -> int:
+    """``[run] threads`` resolved for one process of the run: the setting, else all cores in
+    sync mode and an even share (cores // (actors + 1), at least 1) in async mode; under
+    torchrun the local ranks split the cores."""
+    if run.threads:
+        return run.threads
+    cores = cpu_count() // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    if run.mode == "async":
+        return max(1, cores // (run.actors + 1))
+    return max(1, cores)
 
 
 SECTIONS: dict[str, type] = {

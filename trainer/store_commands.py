@@ -185,9 +185,10 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 
 # What ``generate`` takes from the run config: [task] name (as --task) and tools, and every
-# [generation] key but prompts_per_round (a run's round size; generate has --prompts).
+# [generation] key but prompts_per_round (a run's round size; generate has --prompts) and
+# engine_log (a run's RUN_DIR/engine.log; generate prints the engine's output as vLLM does).
 GENERATE_TASK_KEYS = ("name", "tools")
-GENERATE_SKIPS = ("prompts_per_round",)
+GENERATE_SKIPS = ("prompts_per_round", "engine_log")
 
 
 def generate_config(args: argparse.Namespace) -> tuple[Any, Any, Any]:

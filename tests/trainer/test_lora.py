@@ -3,8 +3,8 @@
 A tiny Llama trains LoRA adapters with the transformers generator: checkpoints hold only the
 adapters (and their AdamW moments), the base weights never move, a killed run resumes to the
 uninterrupted run's bytes, the generator samples from the merged weights (its stored behaviour
-log-probs equal the LoRA learner's at staleness 0), and the published folders are plain merged
-models that an async actor loads. tests/trainer/test_vllm_chat.py runs LoRA through vLLM.
+log-probs equal the LoRA learner's at staleness 0), and the published folders hold only the
+adapters (beside a reference to the base), which an async actor merges into the base and loads. tests/trainer/test_vllm_chat.py runs LoRA through vLLM.
 """
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ from rolloutstore import RolloutStore
 from trainer.algo.logprobs import sequence_logprobs
 from trainer.config import ConfigError, TrainConfig
 from trainer.models.load import load_model
-from trainer.models.lora import LORA_TARGETS, LoraSettings, apply_lora, merged_state
+from trainer.models.lora import LORA_TARGETS, LoraSettings, apply_lora, has_lora, merged_state
 from trainer.models.tiny import make_tiny_model
+from trainer.rollout.weights import load_published_model, read_published
 
 STEPS = 4
 LORA = {"rank": 4, "alpha": 8}
@@ -110,9 +111,9 @@ def test_checkpoints_hold_only_the_adapters(run, llama):
 def test_base_weights_never_move_and_generators_get_merged_weights(run, llama, tmp_path):
     init = load_file(str(llama / "model.safetensors"))
     folder = max((run / "weights").glob("v-*"), key=lambda p: p.name)
-    published = load_file(str(folder / "model.safetensors"))
-    # A plain model under the base names: no adapter tensors, no peft prefixes.
-    assert set(published) == set(init)
+    published = read_published(folder)  # base + the folder's adapters, merged
+    # The model's own names: no adapter tensors, no peft prefixes.
+    assert set(init) <= set(published) and not has_lora(published)
     # Non-target weights (embeddings, head, norms) are the base's, bit for bit; every target
     # projection moved, and is exactly base + the final adapters' delta.
     targets = {k for k in init if k.split(".")[-2] in LORA_TARGETS}
@@ -121,16 +122,16 @@ def test_base_weights_never_move_and_generators_get_merged_weights(run, llama, t
     lora = _lora_model(llama, run, STEPS)
     merged = merged_state(lora)
     assert all(torch.equal(merged[k], published[k]) for k in published)
-    # Publishing a module merges; a state dict that still holds adapters is refused.
+    # Publishing a module writes its adapters; a state dict that still holds them is refused.
     from trainer.rollout.weights import publish_weights
 
     again = publish_weights(tmp_path / "w", STEPS, lora, template=llama)
-    assert load_file(str(again / "model.safetensors")).keys() == published.keys()
+    assert read_published(again).keys() == published.keys()
     with pytest.raises(ValueError, match="LoRA adapter tensors"):
         publish_weights(tmp_path / "w", STEPS + 1, lora.state_dict(), template=llama)
     # The published folder loads as a normal model (strictly: names and shapes).
-    model, _ = load_model(folder)
-    assert set(model.state_dict()) == set(init)
+    model, _ = load_published_model(folder)
+    assert set(model.state_dict()) == set(published)
 
 
 def test_generator_logprobs_match_the_lora_learner_at_staleness_0(run, llama):
@@ -194,8 +195,8 @@ def test_resume_after_a_kill_equals_the_uninterrupted_run(tmp_path, monkeypatch,
     ]  # fmt: skip
     assert losses[1][-1] == losses[0][-1]  # the last step's loss, bit for bit
     final = [max((d / "weights").glob("v-*"), key=lambda p: p.name) for d in (run, run_dir)]
-    assert (final[0] / "model.safetensors").read_bytes() == (
-        final[1] / "model.safetensors"
+    assert (final[0] / "adapter_model.safetensors").read_bytes() == (
+        final[1] / "adapter_model.safetensors"
     ).read_bytes()
 
 
@@ -228,7 +229,7 @@ def test_resume_refuses_a_checkpoint_of_the_other_kind(tmp_path, run, llama):
 
 def test_an_actor_loads_the_merged_published_weights(tmp_path, run, llama):
     """An async actor (transformers, [generation].dtype bfloat16 on [model].device cpu) loads
-    the LoRA run's published folder as a plain model and samples in bfloat16."""
+    the LoRA run's published adapter folder merged into its base and samples in bfloat16."""
     from trainer.rollout.hf import logprob_gaps
     from trainer.run.actor import run_actor
 
@@ -247,7 +248,9 @@ def test_an_actor_loads_the_merged_published_weights(tmp_path, run, llama):
     assert run_actor(cfg, 0, weights_dir=weights, store_uri=str(store), max_rounds=1) == 1
     rows = RolloutStore.open(store).sql("SELECT * FROM rollouts").to_pylist()
     assert len(rows) == 4 * 4
-    model, _ = load_model(folder)  # float32 merged weights
+    assert (folder / "adapter_model.safetensors").exists()
+    assert not (folder / "model.safetensors").exists()
+    model, _ = load_published_model(folder)  # float32 merged weights
     gaps = logprob_gaps(model, rows)
     # bfloat16 sampling: gaps of bf16 size against the float32 recomputation (float32 on both
     # sides would be ~1e-6), and bf16-small against a bf16 recomputation.
@@ -386,9 +389,9 @@ eval_every = 0
 
 
 @pytest.mark.slow
-def test_async_lora_run_publishes_merged_weights_its_actor_samples_from(tmp_path):
-    """Async mode: the learner publishes merged folders; the actor process loads them as plain
-    models and its stored log-probs are those of the published weights of their version."""
+def test_async_lora_run_publishes_adapters_its_actor_samples_from(tmp_path):
+    """Async mode: the learner publishes adapter folders; the actor process merges them into the
+    base and its stored log-probs are those of the published weights of their version."""
     require_peft()
     from trainer.rollout.hf import logprob_gaps
 
@@ -405,14 +408,15 @@ def test_async_lora_run_publishes_merged_weights_its_actor_samples_from(tmp_path
     store = RolloutStore.open(run_dir / "store", create=False)
     checked = 0
     for folder in sorted((run_dir / "weights").glob("v-*")):
-        published = load_file(str(folder / "model.safetensors"))
-        assert set(published) == set(init)  # a plain model under the base names
+        published = read_published(folder)  # the base's names, adapters merged
+        assert set(init) <= set(published) and not has_lora(published)
+        assert not (folder / "model.safetensors").exists()  # adapters only on disk
         version = int(folder.name.removeprefix("v-"))
         rows = store.sql(
             "SELECT * FROM rollouts WHERE policy_version = ?", params=[version]
         ).to_pylist()
         if rows:
-            model, _ = load_model(folder)
+            model, _ = load_published_model(folder)
             assert logprob_gaps(model, rows)["max"] < 1e-4
             checked += 1
     assert checked >= 1

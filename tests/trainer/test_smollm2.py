@@ -194,14 +194,12 @@ def test_resume_equals_the_uninterrupted_run(tmp_path, monkeypatch, hf_run, smol
         name = f"checkpoints/step-{step:09d}/model.safetensors"
         assert (run_dir / name).read_bytes() == (hf_run / name).read_bytes()
     assert run_draws(run_dir) == run_draws(hf_run)
+    # The final published version: the LoRA adapters (the base is referenced, not copied).
     final = [max((d / "weights").glob("v-*"), key=lambda p: p.name) for d in (hf_run, run_dir)]
-    assert (
-        load_file(str(final[0] / "model.safetensors")).keys()
-        == load_file(str(final[1] / "model.safetensors")).keys()
-    )
-    assert (final[0] / "model.safetensors").read_bytes() == (
-        final[1] / "model.safetensors"
-    ).read_bytes()
+    name = "adapter_model.safetensors"
+    assert load_file(str(final[0] / name)).keys() == load_file(str(final[1] / name)).keys()
+    assert (final[0] / name).read_bytes() == (final[1] / name).read_bytes()
+    assert not (final[0] / "model.safetensors").exists()
 
 
 def test_rollouts_export_as_trl_conversations(vllm_run, tmp_path, smollm2_dir):

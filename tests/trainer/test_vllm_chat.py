@@ -5,21 +5,27 @@ transformers backend runs the same folder, which without trust_remote_code is re
 The model folder is a tiny Qwen2 with a chat template whose config.json names its own config
 class (``auto_map``, model_type ``tiny_remote``): neither transformers nor vLLM read it without
 ``trust_remote_code``, so the run only works if the setting reaches the engine. The learner trains
-LoRA adapters; the engine starts from the published (merged) version 0 and takes version 2 in
-place, as merged weights. Checks: the stored prompt ids are the tokenizer's
-``apply_chat_template(..., add_generation_prompt=True)`` ids, and the behaviour log-probs equal
-the LoRA learner's at staleness 0, before and after the in-place update.
+LoRA adapters; the published versions are adapter folders referring to the base, the engine
+starts from the base folder and takes each version in place, as merged weights. Checks: the
+stored prompt ids are the tokenizer's ``apply_chat_template(..., add_generation_prompt=True)``
+ids, and the behaviour log-probs equal the LoRA learner's at staleness 0, before and after the
+in-place update. The run uses the defaults a user gets: the engine runs eagerly on CPU
+(enforce_eager "auto"), binds every core (the sync learner waits meanwhile), and its start-up
+output goes to RUN_DIR/engine.log, not to the terminal.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import require_peft, require_vllm
+from helpers import ROOT, require_peft, require_vllm
 from safetensors.torch import load_file
 
 from rolloutstore import RolloutStore
@@ -66,29 +72,62 @@ def model_dir(tmp_path_factory) -> Path:
     return remote_code_model(tmp_path_factory.mktemp("vllm-chat") / "model")
 
 
+RUN_TOML = """
+[model]
+path = "{model}"
+device = "cpu"
+trust_remote_code = true
+[model.lora]
+rank = 4
+alpha = 8
+[task]
+name = "arith"
+chat_template = true
+eval_prompts = 0
+[task.options]
+max_operands = 2
+max_digits = 1
+ops = ["+"]
+[generation]
+backend = "vllm"
+group_size = 4
+max_tokens = 6
+prompts_per_round = 4
+[replay]
+window = 64
+seed = 1
+[loss]
+entropy_coef = 0.01
+[optim]
+lr = 1e-2
+[run]
+dir = "{run}"
+steps = 4
+updates_per_round = 2
+batch_size = 8
+eval_every = 0
+checkpoint_every = 2
+keep_checkpoints = 10
+"""
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, model_dir) -> Path:
+    """The run, as a user starts it (``python -m trainer train``, the defaults of
+    [generation]: enforce_eager "auto", engine_log "quiet"); its terminal output is kept in
+    terminal.txt beside the run folder."""
     require_vllm()
     require_peft()
-    from trainer.run.sync import train
-
-    run_dir = tmp_path_factory.mktemp("vllm-chat-run") / "run"
-    cfg = TrainConfig.from_dict(
-        {
-            "model": {"path": str(model_dir), "device": "cpu", "trust_remote_code": True,
-                      "lora": LORA},
-            "task": {"name": "arith", "chat_template": True, "eval_prompts": 0,
-                     "options": {"max_operands": 2, "max_digits": 1, "ops": ["+"]}},
-            "generation": {"backend": "vllm", "enforce_eager": True, "group_size": 4,
-                           "max_tokens": 6, "prompts_per_round": 4},
-            "replay": {"window": 64, "seed": 1},
-            "loss": {"entropy_coef": 0.01},
-            "optim": {"lr": 1e-2},
-            "run": {"dir": str(run_dir), "steps": 4, "updates_per_round": 2, "batch_size": 8,
-                    "eval_every": 0, "checkpoint_every": 2, "keep_checkpoints": 10},
-        }
+    root = tmp_path_factory.mktemp("vllm-chat-run")
+    run_dir = root / "run"
+    (root / "run.toml").write_text(RUN_TOML.format(model=model_dir, run=run_dir))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    p = subprocess.run(
+        [sys.executable, "-m", "trainer", "train", str(root / "run.toml")],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
-    assert train(cfg, progress=False).steps == 4
+    (root / "terminal.txt").write_text(p.stdout + p.stderr)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return run_dir
 
 
@@ -205,3 +244,29 @@ def test_vllm_logprobs_match_the_lora_learner_at_staleness_0(run, model_dir):
         assert gaps.max() < 1e-4
     # The adapters moved by version 2: the base weights score its rows clearly differently.
     assert _gaps(base, _rows(run, 2)).max() > 1e-3
+
+
+# Engine-start lines that read as errors but need no action (trainer/rollout/vllm_env.py).
+NOISE = ("chunked prefill", "LD_PRELOAD", "Triton", "MEMBIND", "INFO")
+
+
+def test_engine_output_goes_to_the_run_folder_not_the_terminal(run):
+    terminal = (run.parent / "terminal.txt").read_text(errors="replace")
+    log = (run / "engine.log").read_text(errors="replace")
+    for needle in NOISE:
+        assert needle not in terminal, needle
+        assert needle in log, needle
+    # enforce_eager "auto" is eager on CPU; the sync run's engine binds every core.
+    assert "Enforce eager set" in log
+    assert f"core ids={sorted(os.sched_getaffinity(0))}" in log
+
+
+def test_lora_versions_are_published_as_adapters(run, model_dir):
+    folders = sorted((run / "weights").glob("v-*"))
+    assert folders
+    base = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
+    for folder in folders:
+        assert not (folder / "model.safetensors").exists()
+        ref = json.loads((folder / "base.json").read_text())
+        assert ref["base"] == str(model_dir.resolve())
+        assert sum(f.stat().st_size for f in folder.iterdir()) < 0.25 * base

@@ -8,9 +8,11 @@ their AdamW moments); a resume loads the base model folder again and the adapter
 Generators never see adapters: :func:`generator_state` gives the *merged* weights, ``W + B @ A *
 alpha / rank`` for every adapted layer, under the base model's own names (no ``base_layer`` /
 ``lora_A`` tensors), computed without touching the trained model. That is what the transformers
-generator loads, what a vLLM engine receives in place, and what a published weights folder holds,
-so a vLLM actor loads it as a normal model. Needs the ``lora`` extra (``pip install
-'rolloutstore[lora]'``).
+generator loads and what a vLLM engine receives in place. A published weights folder holds only
+the adapters, in PEFT's own format (:func:`save_adapter`: ``adapter_model.safetensors`` +
+``adapter_config.json``, so ``peft.PeftModel.from_pretrained(base, folder)`` loads it too);
+a reader merges them into the base weights in memory (:func:`merge_adapter`). Needs the ``lora``
+extra (``pip install 'rolloutstore[lora]'``).
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from rolloutstore.options import help_field as _h
 from trainer.errors import ConfigError
@@ -30,6 +34,11 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 INSTALL_HINT = "[model.lora] needs the peft package: pip install 'rolloutstore[lora]'"
 # peft names every adapter tensor with "lora_" (lora_A, lora_B, lora_embedding_A, ...).
 _ADAPTER_MARK = "lora_"
+ADAPTER_FILE = "adapter_model.safetensors"  # PEFT's names, so peft loads a published folder
+ADAPTER_CONFIG = "adapter_config.json"
+# PEFT saves adapter tensors under the PeftModel's names: this prefix, then the module path, and
+# without the adapter's name ("...q_proj.lora_A.weight", not "...lora_A.default.weight").
+_PEFT_PREFIX = "base_model.model."
 
 
 @dataclass(frozen=True)
@@ -173,3 +182,46 @@ def merged_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def generator_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The weights a generator loads: :func:`merged_state` with adapters, else ``state_dict()``."""
     return merged_state(model) if has_lora(model) else model.state_dict()
+
+
+def save_adapter(
+    folder: Path, model: torch.nn.Module, base: str, dtype: torch.dtype | None = None
+) -> None:
+    """Write ``model``'s adapters into ``folder`` in PEFT's format, tensors in ``dtype`` (None:
+    as they are); ``base`` (the base model folder) is recorded as ``base_model_name_or_path``."""
+    peft = require_peft()
+    config = model.peft_config["default"]  # type: ignore[index]
+    state = peft.get_peft_model_state_dict(model)
+    tensors = {
+        _PEFT_PREFIX + k: (v.to(dtype) if dtype is not None else v).detach().contiguous().clone()
+        for k, v in state.items()
+    }
+    save_file(tensors, str(folder / ADAPTER_FILE), metadata={"format": "pt"})
+    copy = dataclasses.replace(config, base_model_name_or_path=base, inference_mode=True)
+    copy.save_pretrained(str(folder))
+
+
+@torch.no_grad()
+def merge_adapter(base: Mapping[str, torch.Tensor], folder: Path) -> dict[str, torch.Tensor]:
+    """``base`` (a base model's state dict) with the adapters of a :func:`save_adapter` folder
+    merged in: ``W + B @ A * scaling`` per adapted layer (the order of peft's
+    ``get_delta_weight``, so the result equals :func:`merged_state` of the learner bit for bit
+    in float32), in each base tensor's dtype. ValueError when the adapters do not fit ``base``."""
+    peft = require_peft()
+    config = peft.LoraConfig.from_pretrained(str(folder))
+    if config.use_dora or config.fan_in_fan_out or config.rank_pattern or config.alpha_pattern:
+        raise ValueError(f"{folder}: only plain LoRA adapters are merged here ({ADAPTER_CONFIG})")
+    scaling = config.lora_alpha / (config.r**0.5 if config.use_rslora else config.r)
+    tensors = load_file(str(folder / ADAPTER_FILE))
+    out = dict(base)
+    for key, a in tensors.items():
+        if not key.endswith(".lora_A.weight"):
+            continue
+        module = key.removeprefix(_PEFT_PREFIX).removesuffix(".lora_A.weight")
+        b = tensors.get(f"{_PEFT_PREFIX}{module}.lora_B.weight")
+        weight = base.get(f"{module}.weight")
+        if b is None or weight is None:
+            raise ValueError(f"{folder}: adapter {module!r} does not fit the base model")
+        delta = (b.float() @ a.float()) * scaling
+        out[f"{module}.weight"] = (weight.float() + delta).to(weight.dtype)
+    return out

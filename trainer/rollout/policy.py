@@ -13,10 +13,16 @@ from pathlib import Path
 from typing import Any
 
 from trainer.algo.learner import Learner
-from trainer.models.load import load_model
+from trainer.models.lora import has_lora
 from trainer.rollout.sampling import GenerationConfig
 from trainer.rollout.vllm_update import VERIFY_TOLERANCE, verify_tolerance  # no vLLM import
-from trainer.rollout.weights import publish_weights
+from trainer.rollout.weights import (
+    Publisher,
+    is_adapter_folder,
+    load_published_model,
+    model_folder,
+    read_published,
+)
 from trainer.tasks import Task
 
 
@@ -32,8 +38,11 @@ class LivePolicy:
 
     The transformers generator is built at the first sync, on the learner's device, in
     ``[generation].dtype`` (default the learner's ``[model].dtype``) and with the learner's
-    attention implementation. A LoRA learner's weights arrive merged (``Learner.full_weights``).
-    ``trust_remote_code``: ``[model].trust_remote_code``, for either generator.
+    attention implementation. A LoRA learner's weights arrive merged (``Learner.full_weights``);
+    its published versions are adapter folders (trainer/rollout/weights.py), and the engine
+    starts from the base model folder. ``trust_remote_code``: ``[model].trust_remote_code``, for
+    either generator. ``publisher``: the run's retention and precision of published folders;
+    ``threads``: ``[run] threads``, the cores the vLLM CPU engine binds while it generates.
     """
 
     def __init__(
@@ -47,9 +56,13 @@ class LivePolicy:
         seed: int,
         *,
         trust_remote_code: bool = False,
+        publisher: Publisher | None = None,
+        threads: int | None = None,
+        engine_log: Path | None = None,
     ):
         self.backend, self.model_dir, self.weights_dir = backend, model_dir, weights_dir
         self.run_id, self.trust_remote_code = run_id, trust_remote_code
+        self.publisher = publisher or Publisher(Path(weights_dir).parent)
         self.gen = None
         self.version: int | None = None
         self.events: list[dict] = []  # vLLM: one per new version (verification and how loaded)
@@ -59,7 +72,7 @@ class LivePolicy:
             # failed verification (and its restart) is still printed.
             self.vllm = VLLMPolicy(
                 generation, task, run_id, seed=seed, verbose=False,
-                trust_remote_code=trust_remote_code,
+                trust_remote_code=trust_remote_code, cpu_threads=threads, engine_log=engine_log,
             )  # fmt: skip
 
     def sync(self, learner: Learner, weights: dict[str, Any] | None = None):
@@ -74,9 +87,11 @@ class LivePolicy:
             self.gen.model.load_state_dict(weights)
             self.gen.policy_version = v
         elif self.version != v:
+            # A LoRA learner publishes its adapters (FSDP-sharded ones: the merged weights).
+            source = learner.model if has_lora(learner.model) and not learner.sharded else weights
 
             def publish() -> Path:
-                return publish_weights(self.weights_dir, v, weights, template=self.model_dir)
+                return self.publisher.publish(self.weights_dir, v, source, self.model_dir)
 
             self.gen = self.vllm.update(v, weights, publish)
             self.events.append(
@@ -112,14 +127,26 @@ class LivePolicy:
 
 
 def actor_policy(
-    backend: str, cfg: Any, task: Task, run_id: str, seed: int
+    backend: str,
+    cfg: Any,
+    task: Task,
+    run_id: str,
+    seed: int,
+    *,
+    threads: int | None = None,
+    slot: int = 0,
+    engine_log: Path | None = None,
 ) -> HFPolicy | VLLMPolicy:
     """An async actor's policy for ``backend`` from its run config (a TrainConfig): the
     generator runs as the sync loop's does, in ``[generation].dtype`` on ``[model].device``
-    with the model's attention and ``trust_remote_code``."""
+    with the model's attention and ``trust_remote_code``; a vLLM CPU engine binds ``threads``
+    cores, the ``slot``-th such share of the machine's (actor ``slot``)."""
     g, m = cfg.generation, cfg.model
     if backend == "vllm":
-        return VLLMPolicy(g, task, run_id, seed=seed, trust_remote_code=m.trust_remote_code)
+        return VLLMPolicy(
+            g, task, run_id, seed=seed, trust_remote_code=m.trust_remote_code,
+            cpu_threads=threads, cpu_slot=slot, engine_log=engine_log,
+        )  # fmt: skip
     return HFPolicy(
         run_id, device=m.device, dtype=g.dtype, attn_implementation=m.attn_implementation,
         trust_remote_code=m.trust_remote_code,
@@ -147,12 +174,12 @@ class HFPolicy:
         self.attn_implementation, self.trust_remote_code = attn_implementation, trust_remote_code
 
     def load(self, version: int, folder: Path):
-        from safetensors.torch import load_file
-
         if self.gen is None:
             self.gen = self._first(version, folder)
         else:
-            state = load_file(str(folder / "model.safetensors"))  # FileNotFoundError if pruned
+            state = read_published(
+                folder, trust_remote_code=self.trust_remote_code
+            )  # FileNotFoundError if pruned
             self.gen.model.load_state_dict(state, strict=True)
         self.gen.policy_version = version
         return self.gen
@@ -170,6 +197,15 @@ class HFPolicy:
 
         device = resolve_device(self.device)
         dtype = resolve_dtype(self.dtype, device, key="[generation].dtype")
+        if is_adapter_folder(folder):  # adapters (read first: pruned -> FileNotFoundError)
+            state = read_published(folder, trust_remote_code=self.trust_remote_code)
+            gen = HFGenerator(
+                model_folder(folder), policy_version=version, policy_id=self.run_id,
+                device=device, dtype=dtype, attn_implementation=self.attn_implementation,
+                trust_remote_code=self.trust_remote_code,
+            )  # fmt: skip
+            gen.model.load_state_dict(state, strict=True)
+            return gen
         with tempfile.TemporaryDirectory(prefix="actor-weights-") as tmp:
             copy = Path(tmp) / folder.name
             try:
@@ -200,7 +236,9 @@ class VLLMPolicy:
     trainer/rollout/vllm_update.py says why). An update that fails this check is logged and
     the engine restarted from the folder, which is verified again; a mismatch there stops the
     actor. The engine takes its settings from ``[generation]`` (GenerationConfig.engine_options)
-    and ``trust_remote_code`` (``[model].trust_remote_code``) from the caller.
+    and ``trust_remote_code`` (``[model].trust_remote_code``) from the caller; ``cpu_threads`` /
+    ``cpu_slot`` the cores a CPU engine binds, ``engine_log`` where its output goes
+    (trainer/rollout/vllm_env.py).
     """
 
     def __init__(
@@ -212,10 +250,16 @@ class VLLMPolicy:
         *,
         verbose: bool = True,
         trust_remote_code: bool = False,
+        cpu_threads: int | None = None,
+        cpu_slot: int = 0,
+        engine_log: Path | None = None,
     ):
         self.generation, self.task, self.run_id = generation, task, run_id
         self.seed, self.verbose = seed, verbose
         self.trust_remote_code = trust_remote_code
+        self.cpu_threads, self.cpu_slot = cpu_threads, cpu_slot
+        # [generation].engine_log = "quiet": the engine's output goes to this file.
+        self.engine_log = engine_log if generation.engine_log == "quiet" else None
         self.gen = None
         self.last_gap: float | None = None  # of the newest verification
         self.restarts = 0  # engine starts, the first included
@@ -224,11 +268,9 @@ class VLLMPolicy:
 
     def load(self, version: int, folder: Path):
         """Load the published ``folder`` of ``version`` (FileNotFoundError if it was pruned)."""
-        from safetensors.torch import load_file
-
         if self.gen is None:
             return self._restart(version, folder)
-        state = load_file(str(folder / "model.safetensors"))
+        state = read_published(folder, trust_remote_code=self.trust_remote_code)
         return self.update(version, state, lambda: folder)
 
     def update(self, version: int, state: dict, folder):
@@ -236,21 +278,12 @@ class VLLMPolicy:
         from trainer.rollout.vllm_update import WeightUpdateError
 
         if self.gen is None:
-            return self._restart(version, folder())
-        s, task = self.generation.sampling(), self.task
+            return self._restart(version, folder(), state)
         try:
-            u = self.gen.update_weights(
-                state,
-                policy_version=version,
-                verify_prompts=verify_texts(self.gen, task, 2),
-                temperature=s.temperature,
-                top_p=s.top_p,
-                top_k=s.top_k,
-                max_tokens=s.max_tokens,
-            )
+            u = self._update_verified(version, state)
         except WeightUpdateError as exc:
             print(f"policy version {version}: {exc}; restarting the engine", flush=True)
-            return self._restart(version, folder())
+            return self._restart(version, folder(), state)
         self.last_gap = u.gap
         self.last_seconds = {
             "transfer_seconds": u.update_seconds,
@@ -265,23 +298,45 @@ class VLLMPolicy:
             )
         return self.gen
 
-    def _restart(self, version: int, folder: Path):
+    def _update_verified(self, version: int, state: dict):
+        s = self.generation.sampling()
+        return self.gen.update_weights(
+            state, policy_version=version, verify_prompts=verify_texts(self.gen, self.task, 2),
+            temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=s.max_tokens,
+        )  # fmt: skip
+
+    def _restart(self, version: int, folder: Path, state: dict | None = None):
         from trainer.rollout.vllm import VLLMGenerator
 
         self.close()
+        # An adapter folder: the engine starts from its base and gets the merged weights in
+        # place (verified there); the adapters are read first, so a pruned folder fails early.
+        # ``state``: the version's full weights when the caller holds them (the sync learner:
+        # then no copy of the base is read or cached in its process).
+        if not is_adapter_folder(folder):
+            state = None
+        elif state is None:
+            state = read_published(folder, trust_remote_code=self.trust_remote_code)
         self.gen = VLLMGenerator(
-            folder,
+            model_folder(folder),
             policy_version=version,
             policy_id=self.run_id,
             seed=self.seed,
             trust_remote_code=self.trust_remote_code,
+            cpu_threads=self.cpu_threads,
+            cpu_slot=self.cpu_slot,
+            engine_log=self.engine_log,
             **self.generation.engine_options(),
         )
         self.restarts += 1
         self.last_seconds = {}  # an engine start: its time is the whole sync's
-        self.last_gap = verify_logprobs(
-            self.gen, folder, self.generation, self.task, trust_remote_code=self.trust_remote_code
-        )
+        if state is not None:
+            self.last_gap = self._update_verified(version, state).gap
+        else:
+            self.last_gap = verify_logprobs(
+                self.gen, folder, self.generation, self.task,
+                trust_remote_code=self.trust_remote_code,
+            )  # fmt: skip
         if self.verbose:
             print(
                 f"policy version {version}: engine started from {folder} and verified "
@@ -324,7 +379,7 @@ def verify_logprobs(
     g = generation
     texts = verify_texts(gen, task, prompts)
     rows = gen.generate(texts, **g.sampling(group_size=2, seed=0).kwargs())
-    model, _ = load_model(folder, trust_remote_code=trust_remote_code)
+    model, _ = load_published_model(folder, trust_remote_code=trust_remote_code)
     gaps = logprob_gaps(model, rows)
     dtype = getattr(gen, "dtype", None)
     statistic, tol = ("max", VERIFY_TOLERANCE) if dtype is None else verify_tolerance(dtype)

@@ -24,6 +24,8 @@ Backend = Literal["hf", "vllm", "auto"]
 # What a prompt too long for the model's context becomes (trainer/tasks/chat.py fit_prompts).
 PromptOverflow = Literal["error", "truncate_left", "skip"]
 GenDtype = Literal["auto", "float32", "bfloat16", "float16"]
+Eager = Literal["auto", True, False]
+EngineLog = Literal["quiet", "all"]
 # max_model_len when the config leaves it 0: the model's max_position_embeddings, capped here
 # (a 128k-context model would otherwise reserve KV cache for sequences RL never produces).
 MAX_MODEL_LEN_CAP = 8192
@@ -174,7 +176,17 @@ class GenerationConfig:
         "generator precision: auto (the learner's [model].dtype), float32, bfloat16, float16",
         "auto",
     )
-    enforce_eager: bool = _h("vLLM: no CUDA graphs (faster start, slower decoding)", False)
+    enforce_eager: Eager = _h(
+        "vLLM: true runs eagerly (no torch.compile, no CUDA graphs: a faster start; on GPU "
+        "slower decoding), false compiles (CPU: torch.compile, ~50 s more per engine start, no "
+        "decoding gain measured here); auto: eager on CPU, compiled on GPU",
+        "auto",
+    )
+    engine_log: EngineLog = _h(
+        "vLLM: quiet sends the engine's output to RUN_DIR/engine.log (the terminal shows only "
+        "warnings to act on), all prints it all to the terminal",
+        "quiet",
+    )
     # Multi-turn rollouts ([task].tools; trainer/rollout/multiturn.py).
     max_turns: int = _h(
         "model turns per trajectory (> 1 needs [task].tools; max_tokens is each turn's budget)", 1
@@ -253,8 +265,10 @@ class GenerationConfig:
             raise bad("tensor_parallel_size", "an int >= 1")
         if self.dtype not in typing.get_args(GenDtype):
             raise bad("dtype", f"one of {', '.join(typing.get_args(GenDtype))}")
-        if not isinstance(self.enforce_eager, bool):
-            raise bad("enforce_eager", "true or false")
+        if not (isinstance(self.enforce_eager, bool) or self.enforce_eager == "auto"):
+            raise bad("enforce_eager", 'true, false or "auto"')
+        if self.engine_log not in typing.get_args(EngineLog):
+            raise bad("engine_log", '"quiet" or "all"')
 
     def engine_options(self) -> dict[str, Any]:
         """The vLLM engine keyword arguments of :class:`trainer.rollout.vllm.VLLMGenerator`."""

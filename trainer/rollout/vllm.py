@@ -92,7 +92,14 @@ class VLLMGenerator:
       node's RAM for the *whole worker*, and vLLM's default 0.92 fails at start-up, so the KV
       cache is sized explicitly there.
     - ``gpu_memory_utilization``: None: 0.5 on GPU (the sync learner shares it), 0.05 on CPU.
-    - ``tensor_parallel_size``, ``enforce_eager``: as in vLLM.
+    - ``tensor_parallel_size``: as in vLLM.
+    - ``enforce_eager``: ``"auto"`` (default) is eager on CPU, where compiling (torch.compile,
+      ~50 s more at every engine start) brought no decoding speed-up here, and CUDA graphs +
+      torch.compile on GPU; True / False force it.
+    - ``cpu_threads`` / ``cpu_slot``: the CPU cores the engine binds (None: all of them; see
+      :func:`trainer.rollout.vllm_env.cpu_env`).
+    - ``engine_log``: a file that receives the engine processes' output (the terminal then shows
+      only warnings a user must act on; trainer/rollout/vllm_env.py); None: all to the terminal.
     - ``trust_remote_code``: ``[model].trust_remote_code``; the engine, the tokenizer and the
       verification's reference model run the folder's own code.
 
@@ -113,8 +120,11 @@ class VLLMGenerator:
         max_model_len: int | None = None,
         dtype: str = "auto",
         tensor_parallel_size: int = 1,
-        enforce_eager: bool = False,
+        enforce_eager: bool | str = "auto",
         trust_remote_code: bool = False,
+        cpu_threads: int | None = None,
+        cpu_slot: int = 0,
+        engine_log: str | Path | None = None,
         **llm_kwargs: Any,
     ) -> None:
         if isinstance(policy_version, bool) or not isinstance(policy_version, int):
@@ -122,10 +132,16 @@ class VLLMGenerator:
         kv_cache_memory_bytes = _check_engine_args(
             gpu_memory_utilization, kv_cache_gib, kv_cache_memory_bytes, max_model_len, llm_kwargs
         )
-        vllm = _import_vllm()
+        if enforce_eager not in (True, False, "auto"):
+            raise ValueError(f'enforce_eager must be true, false or "auto", got {enforce_eager!r}')
         from trainer.models.load import resolve_dtype
+        from trainer.rollout.vllm_env import cpu_env, engine_output
 
-        on_cpu = _on_cpu()
+        self.engine_log = Path(engine_log) if engine_log is not None else None
+        with engine_output(self.engine_log):  # importing vLLM prints too (Triton, ...)
+            vllm = _import_vllm()
+            on_cpu = _on_cpu()
+
         self.model_path = Path(model_path)
         self.policy_version = policy_version
         self.policy_id = policy_id
@@ -139,17 +155,20 @@ class VLLMGenerator:
         )
         options = self._engine_options(
             on_cpu, seed, gpu_memory_utilization, kv_cache_memory_bytes, tensor_parallel_size,
-            enforce_eager,
+            on_cpu if enforce_eager == "auto" else enforce_eager,
         )  # fmt: skip
         options.update(llm_kwargs)
         self._reference: Any = None  # HF model of the current weights, for verification
         self._refusal: str | None = None  # set while the engine may hold unverified weights
-        self._llm: Any = vllm.LLM(
-            model=str(model_path),
-            tokenizer=str(model_path),
-            logprobs_mode=LOGPROBS_MODE,
-            **options,
-        )
+        env = cpu_env(cpu_threads, cpu_slot, tensor_parallel_size) if on_cpu else {}
+        self._llm = None
+        with engine_output(self.engine_log, env):
+            self._llm = vllm.LLM(
+                model=str(model_path),
+                tokenizer=str(model_path),
+                logprobs_mode=LOGPROBS_MODE,
+                **options,
+            )
 
     def _load_hf_side(self, max_model_len: int | None) -> None:
         """The checkpoint's tokenizer (prompts in, completions out), its fingerprint, its config

@@ -13,28 +13,41 @@ one PUT that readers see whole or not at all; actors on other machines poll
 Storage options use Lance's keys (``aws_access_key_id``, ``aws_endpoint``, ...), so
 one dict serves the store and the weights; without them the AWS_* environment is used.
 
-A LoRA learner (``[model.lora]``) publishes merged full weights under the base model's names
-(:func:`trainer.models.lora.generator_state`), so every generator, a vLLM actor included, loads
-a published folder as a normal model.
+A LoRA learner (``[model.lora]``, a module with adapters) publishes only its adapters: the
+folder holds ``adapter_model.safetensors`` + ``adapter_config.json`` (PEFT's format) and
+``base.json``, which names the base model folder and its fingerprint (sha256 of its weight
+files), never a copy of the base. Readers go through :func:`read_published` (the full weights,
+adapters merged into the base in memory) and :func:`model_folder` (the folder a generator starts
+from: config, tokenizer, base weights), so a LoRA version costs adapter-sized disk, and version 0
+(zero ``lora_B``) is in effect a reference to the base.
+
+Weights are written in the run's precision (``dtype``: a bfloat16 run publishes bfloat16 files;
+the learner's float32 master weights stay in its checkpoints). ``keep`` versions are kept
+(``[run] keep_weight_versions``), plus those named in ``protect`` (the versions the run's
+checkpoints hold); LATEST is always among the kept.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
 import uuid
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow.fs as pafs
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
-from trainer.models.lora import generator_state, has_lora
+from trainer.models.lora import generator_state, has_lora, merge_adapter, save_adapter
 
 VERSION_FMT = "v-{:09d}"
+BASE_FILE = "base.json"  # an adapter folder's reference to its base model folder
+DONE_FILE = "policy_version.json"  # written last into every published folder
 
 
 def atomic_dir(final: Path, write) -> Path:
@@ -93,30 +106,69 @@ def publish_weights(
     template: str | os.PathLike | None = None,
     keep: int = 3,
     storage_options: dict[str, str] | None = None,
+    dtype: torch.dtype | None = None,
+    protect: Collection[int] = (),
 ) -> Path | str:
-    """Publish ``model`` (or its state dict) as policy ``version``: a loadable model folder,
-    then ``LATEST``. A module with LoRA adapters is published merged (:func:`published_tensors`).
+    """Publish ``model`` (or its state dict) as policy ``version``, then ``LATEST``: a loadable
+    model folder, or for a module with LoRA adapters an adapter folder referring to
+    ``template`` (see the module docstring; a state dict is always published whole).
 
-    ``template``: a model folder whose config and tokenizer files are copied beside
-    the weights (so the folder loads with ``from_pretrained`` and in vLLM).
-    ``weights_dir`` may be an object-store URI (see the module docstring).
+    ``template``: the model folder (config, tokenizer; a LoRA run's base) whose files are
+    copied beside full weights (so the folder loads with ``from_pretrained`` and in vLLM).
+    ``dtype``: the precision the weights are written in (None: as they are). ``keep``: versions
+    kept (0: all), besides ``protect``. ``weights_dir`` may be an object-store URI.
     """
+    write = _writer(version, model, template, dtype)
     if is_remote(weights_dir):
         return _publish_remote(
-            str(weights_dir), version, model, template=template, keep=keep, options=storage_options
+            str(weights_dir), version, write, keep=keep, protect=protect, options=storage_options
         )
     root = Path(weights_dir)
-    path = atomic_dir(
-        root / VERSION_FMT.format(version),
-        lambda tmp: _write_weights(tmp, version, model, template),
-    )
+    path = atomic_dir(root / VERSION_FMT.format(version), write)
     tmp = root / f".LATEST-{uuid.uuid4().hex[:8]}"
     tmp.write_text(f"{version}\n")
     os.replace(tmp, root / "LATEST")
-    versions = sorted(p for p in root.iterdir() if p.name.startswith("v-") and p.is_dir())
-    for old in versions[:-keep] if keep > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
+    names = [p.name for p in root.iterdir() if p.name.startswith("v-") and p.is_dir()]
+    for old in pruned(names, keep, protect, version):
+        shutil.rmtree(root / old, ignore_errors=True)
     return path
+
+
+def pruned(names: list[str], keep: int, protect: Collection[int], latest: int) -> list[str]:
+    """The version folders (``v-…`` names) retention removes: all but the newest ``keep``,
+    the ``protect``-ed versions and ``latest`` (the one LATEST names); none when ``keep`` is 0."""
+    if keep <= 0:
+        return []
+    versions = sorted(names)
+    kept = set(versions[-keep:]) | {VERSION_FMT.format(v) for v in (*protect, latest)}
+    return [n for n in versions if n not in kept]
+
+
+@dataclass(frozen=True)
+class Publisher:
+    """A run's publishing settings: ``publish(weights_dir, version, model, template)`` in the
+    run's precision, keeping ``keep`` versions and those the run's checkpoints hold."""
+
+    run_dir: Path
+    keep: int = 3
+    dtype: torch.dtype | None = None
+    storage_options: dict[str, str] | None = None
+
+    def publish(self, weights_dir, version: int, model, template=None) -> Path | str:
+        return publish_weights(
+            weights_dir, version, model, template=template, keep=self.keep, dtype=self.dtype,
+            storage_options=self.storage_options, protect=checkpoint_versions(self.run_dir),
+        )  # fmt: skip
+
+
+def checkpoint_versions(run_dir: str | os.PathLike) -> set[int]:
+    """The policy versions of the checkpoints in ``run_dir/checkpoints`` (their state.json):
+    published versions retention never removes, so a resume finds the weights it left."""
+    versions = set()
+    for state in Path(run_dir).glob("checkpoints/step-*/state.json"):
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            versions.add(int(json.loads(state.read_text())["policy_version"]))
+    return versions
 
 
 def latest_weights(
@@ -137,17 +189,127 @@ def latest_weights(
     return version, Path(weights_dir) / name
 
 
-def _write_weights(tmp: Path, version: int, model: torch.nn.Module, template) -> None:
-    if template is not None:
-        for f in Path(template).iterdir():
-            if (
-                f.is_file()
-                and not f.name.endswith((".safetensors", ".bin"))
-                and (f.name != "model.safetensors.index.json")
-            ):
-                shutil.copy2(f, tmp / f.name)
-    save_file(published_tensors(model), str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    (tmp / "policy_version.json").write_text(json.dumps({"policy_version": version}))
+def _writer(version: int, model, template, dtype: torch.dtype | None):
+    """``write(folder)``: the files of one published version (adapters for a LoRA module)."""
+    adapters = isinstance(model, torch.nn.Module) and has_lora(model)
+    if adapters and template is None:
+        raise ValueError("a LoRA model is published as adapters: pass template= (its base folder)")
+
+    def write(tmp: Path) -> None:
+        if adapters:
+            base = Path(template).resolve()
+            save_adapter(tmp, model, str(base), dtype)
+            ref = {"base": str(base), "fingerprint": base_fingerprint(base)}
+            (tmp / BASE_FILE).write_text(json.dumps(ref, indent=2))
+        else:
+            if template is not None:
+                for f in Path(template).iterdir():
+                    if (
+                        f.is_file()
+                        and not f.name.endswith((".safetensors", ".bin"))
+                        and (f.name != "model.safetensors.index.json")
+                    ):
+                        shutil.copy2(f, tmp / f.name)
+            tensors = published_tensors(model)
+            if dtype is not None:
+                tensors = {
+                    k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()
+                }
+            save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / DONE_FILE).write_text(json.dumps({"policy_version": version}))
+
+    return write
+
+
+_FINGERPRINTS: dict[tuple, str] = {}  # (folder, its files' sizes and mtimes) -> sha256
+
+
+def base_fingerprint(folder: str | os.PathLike) -> str:
+    """sha256 over the weight files (``*.safetensors``) of a model folder; computed once per
+    process for an unchanged folder (a 135M float32 model: ~1-2 s)."""
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {folder}")
+    key = (
+        str(Path(folder).resolve()),
+        *((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files),
+    )
+    if key not in _FINGERPRINTS:
+        digest = hashlib.sha256()
+        for f in files:
+            digest.update(f.name.encode())
+            with open(f, "rb") as fh:
+                while chunk := fh.read(1 << 24):
+                    digest.update(chunk)
+        _FINGERPRINTS[key] = digest.hexdigest()
+    return _FINGERPRINTS[key]
+
+
+def is_adapter_folder(folder: str | os.PathLike) -> bool:
+    """Whether a published folder holds LoRA adapters (and a reference to its base)."""
+    return (Path(folder) / BASE_FILE).is_file()
+
+
+def model_folder(folder: str | os.PathLike) -> Path:
+    """The model folder a generator starts from for a published ``folder``: the folder itself,
+    or an adapter folder's base (checked against its fingerprint: ValueError if it changed)."""
+    folder = Path(folder)
+    if not is_adapter_folder(folder):
+        return folder
+    try:
+        ref = json.loads((folder / BASE_FILE).read_text())
+    except FileNotFoundError as exc:
+        raise FileNotFoundError(f"published weights {folder} were pruned") from exc
+    base = Path(ref["base"])
+    if not base.is_dir():
+        raise ValueError(
+            f"{folder} holds LoRA adapters for the base model {base}, which is not on this "
+            "machine: put the base model folder at that path"
+        )
+    if base_fingerprint(base) != ref["fingerprint"]:
+        raise ValueError(
+            f"{folder} holds LoRA adapters for the base model {base}, whose weights have "
+            "changed since (fingerprint mismatch): restore the base the run trained on"
+        )
+    return base
+
+
+_BASE_STATES: dict[str, dict[str, torch.Tensor]] = {}  # one base per process: a run's
+
+
+def read_published(
+    folder: str | os.PathLike, *, trust_remote_code: bool = False
+) -> dict[str, torch.Tensor]:
+    """The full weights of a published folder, under the model's names: its tensors, or its
+    base's with the adapters merged in (the learner's :meth:`Learner.full_weights`; the base
+    is loaded with ``[model].trust_remote_code``). FileNotFoundError if it was pruned."""
+    folder = Path(folder)
+    if not is_adapter_folder(folder):
+        return load_file(str(folder / "model.safetensors"))
+    base = model_folder(folder)
+    key = f"{base}:{base_fingerprint(base)}"
+    if key not in _BASE_STATES:
+        from trainer.models.load import load_model
+
+        # float32, tied weights under both names
+        model, _ = load_model(base, trust_remote_code=trust_remote_code)
+        _BASE_STATES.clear()
+        _BASE_STATES[key] = {k: v.detach() for k, v in model.state_dict().items()}
+    try:
+        return merge_adapter(_BASE_STATES[key], folder)
+    except FileNotFoundError as exc:
+        raise FileNotFoundError(f"published weights {folder} were pruned") from exc
+
+
+def load_published_model(folder: str | os.PathLike, **kwargs) -> tuple[torch.nn.Module, object]:
+    """(model, tokenizer) of a published folder, adapters merged (float32 unless ``dtype=``)."""
+    from trainer.models.load import load_model
+
+    model, tok = load_model(model_folder(folder), **kwargs)
+    if is_adapter_folder(folder):
+        state = read_published(folder, trust_remote_code=kwargs.get("trust_remote_code", False))
+        model.load_state_dict(state, strict=True)
+    return model, tok
 
 
 # Lance storage-option keys -> pyarrow.fs.S3FileSystem arguments.
@@ -229,19 +391,19 @@ def remove_text(root: str | os.PathLike, name: str, storage_options=None) -> Non
         fs.delete_file(f"{path}/{name}")
 
 
-def _publish_remote(uri: str, version: int, model, *, template, keep: int, options) -> str:
+def _publish_remote(uri: str, version: int, write, *, keep: int, protect, options) -> str:
     import tempfile
 
     fs, root = object_fs(uri, options)
     name = VERSION_FMT.format(version)
     with tempfile.TemporaryDirectory(prefix="weights-") as tmp:
-        _write_weights(Path(tmp), version, model, template)
+        write(Path(tmp))
         # Every file of the version is uploaded before LATEST names it.
         pafs.copy_files(tmp, f"{root}/{name}", destination_filesystem=fs)
     write_text(uri, "LATEST", f"{version}\n", options)
     infos = fs.get_file_info(pafs.FileSelector(root, allow_not_found=True))
-    versions = sorted(i.base_name for i in infos if i.base_name.startswith("v-"))
-    for old in versions[:-keep] if keep > 0 else []:
+    names = [i.base_name for i in infos if i.base_name.startswith("v-")]
+    for old in pruned(names, keep, protect, version):
         with contextlib.suppress(OSError):
             fs.delete_dir(f"{root}/{old}")
     return f"{uri.rstrip('/')}/{name}"
@@ -259,10 +421,10 @@ def fetch_weights(
         return Path(folder)
     uri = str(folder).rstrip("/")
     local = Path(cache_dir) / uri.rsplit("/", 1)[-1]
-    if (local / "model.safetensors").exists():
+    if (local / DONE_FILE).exists():
         return local
     fs, path = object_fs(uri, storage_options)
-    info = fs.get_file_info(f"{path}/model.safetensors")
+    info = fs.get_file_info(f"{path}/{DONE_FILE}")
     if info.type != pafs.FileType.File:
         raise FileNotFoundError(f"no published weights at {uri}")
 

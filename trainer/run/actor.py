@@ -22,6 +22,7 @@ from trainer.config import (
     WEIGHTS_ENV,
     TrainConfig,
     configured_location,
+    process_threads,
     storage_options_from_env,
 )
 from trainer.errors import ConfigError
@@ -144,9 +145,14 @@ def run_actor(
     state_path.parent.mkdir(parents=True, exist_ok=True)
     rnd = int(_read_json(state_path).get("round", 0))
     backend = resolve_backend(g.backend)
-    # Learner and actors share the CPU cores; one thread each avoids oversubscription.
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // (r.actors + 1)))
-    policy = actor_policy(backend, cfg, task, run_id, seed=r.seed + actor_id)
+    # Learner and actors share the CPU cores ([run] threads: by default an even share each);
+    # a vLLM CPU engine binds its own block of them (actor k the k+1-th, the learner's first).
+    threads = process_threads(r)
+    torch.set_num_threads(threads)
+    policy = actor_policy(
+        backend, cfg, task, run_id, seed=r.seed + actor_id, threads=threads, slot=actor_id + 1,
+        engine_log=(run_dir or state_dir) / f"engine-a{actor_id}.log",
+    )  # fmt: skip
 
     def stopped() -> bool:
         if max_rounds is not None and rounds >= max_rounds:

@@ -71,7 +71,7 @@ from trainer.config import (
     configured_location,
 )
 from trainer.rollout.evaluation import EvalResult
-from trainer.rollout.weights import publish_weights, remove_text, write_text
+from trainer.rollout.weights import remove_text, write_text
 from trainer.run.actor import PARENT_ENV, POLL_SECONDS
 from trainer.run.checkpoint import save_run_checkpoint
 from trainer.run.faults import ACTOR_FAULT_ENV
@@ -84,6 +84,7 @@ from trainer.run.setup import (
     removed_on_failure,
     report_sources,
     run_meta,
+    run_publisher,
     setup_learner,
     store_location,
 )
@@ -209,6 +210,7 @@ class AsyncLoop(Loop):
         self.generated = _Generated(self.store, self.run_id)
 
         self.weights_dir = _open_weights(cfg, run_dir, meta, self.options)
+        self.publisher = run_publisher(cfg, run_dir, self.learner.device, self.options)
         self._publish()
         (run_dir / "STOP").unlink(missing_ok=True)
         self.metrics = Metrics(run_dir, state)  # records after the checkpoint dropped
@@ -278,10 +280,11 @@ class AsyncLoop(Loop):
             self.metrics.close()
 
     def _publish(self) -> None:
-        publish_weights(
-            self.weights_dir, self.learner.policy_version, self.learner.model,
-            template=self.model_dir, storage_options=self.options,
-        )  # fmt: skip
+        # A LoRA learner publishes its adapters, in the run's precision; retention keeps the
+        # checkpoints' versions (trainer/rollout/weights.py).
+        self.publisher.publish(
+            self.weights_dir, self.learner.policy_version, self.learner.model, self.model_dir
+        )
 
 
 def _progress(state: dict[str, Any] | None) -> tuple[int, dict[str, float], float | None]:

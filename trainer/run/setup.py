@@ -24,6 +24,7 @@ from trainer.models.load import check_model_dir, load_model, resolve_device, res
 from trainer.models.lora import apply_lora
 from trainer.rollout.evaluation import EvalResult
 from trainer.rollout.evaluation import evaluate as run_eval
+from trainer.rollout.weights import Publisher
 from trainer.run.checkpoint import (
     latest_checkpoint,
     newest_good_checkpoint,
@@ -389,3 +390,10 @@ def prepare_model(cfg: TrainConfig, run_dir: Path) -> Path:
         )
         tmp.rename(path)
     return path
+
+
+def run_publisher(cfg: TrainConfig, run_dir: Path, device: torch.device, options=None) -> Publisher:
+    """How the run publishes weights: in the generators' precision (``[generation].dtype``,
+    default the model's), keeping ``[run] keep_weight_versions`` and the checkpoints' versions."""
+    dtype = resolve_dtype(cfg.generation.dtype, device, key="[generation].dtype")
+    return Publisher(run_dir, cfg.run.keep_weight_versions, dtype, options)

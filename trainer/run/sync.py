@@ -38,16 +38,18 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from rolloutstore import RolloutStore
 from rolloutstore.replay.budget import budget_metrics
-from trainer.config import TrainConfig
+from trainer.config import TrainConfig, process_threads
 from trainer.control import ReplayController
 from trainer.errors import RunDirError
+from trainer.models.lora import has_lora
 from trainer.rollout.evaluation import EvalResult
 from trainer.rollout.pipeline import RoundIds, generate_rollouts, resolve_backend
 from trainer.rollout.policy import LivePolicy
-from trainer.rollout.weights import publish_weights
+from trainer.rollout.vllm_env import ENGINE_LOG
 from trainer.run.checkpoint import save_run_checkpoint
 from trainer.run.distributed import Dist, batch_view, trace
 from trainer.run.distributed import from_env as dist_from_env
@@ -66,6 +68,7 @@ from trainer.run.setup import (
     removed_on_failure,
     report_sources,
     run_meta,
+    run_publisher,
     setup_learner,
     store_location,
 )
@@ -81,6 +84,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> T
         check_resume(cfg)
         check_resume_store(cfg.run.dir, *store_location(cfg, Path(cfg.run.dir)))
     check_start(cfg)  # model, task, sources: refused before any run state is written
+    torch.set_num_threads(process_threads(cfg.run))  # the learner and in-process generators
     if cfg.run.fsdp and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         raise RunDirError(
             "run.fsdp = true shards the learner across torchrun ranks (sync mode); start with "
@@ -177,6 +181,8 @@ class SyncLoop(Loop):
             self.policy = LivePolicy(
                 backend, cfg.generation, self.task, self.model_dir, run_dir / "weights",
                 self.run_id, seed=r.seed, trust_remote_code=cfg.model.trust_remote_code,
+                publisher=run_publisher(cfg, run_dir, self.learner.device),
+                threads=process_threads(r), engine_log=run_dir / ENGINE_LOG,
             )  # fmt: skip
             self.metrics = Metrics(run_dir, state)  # records after the checkpoint dropped
             if state is None:  # from step 0: what the imported rows give this run
@@ -339,10 +345,11 @@ class SyncLoop(Loop):
     def finish(self) -> None:
         weights = self.learner.full_weights()  # sharded: a gather, on every rank
         if self.main:
-            publish_weights(
-                self.run_dir / "weights", self.learner.policy_version, weights,
-                template=self.model_dir,
-            )  # fmt: skip
+            learner = self.learner  # LoRA: its adapters (sharded: the merged weights)
+            source = learner.model if has_lora(learner.model) and not learner.sharded else weights
+            self.policy.publisher.publish(
+                self.run_dir / "weights", learner.policy_version, source, self.model_dir
+            )
 
     def close(self) -> None:
         if self.main:
