@@ -150,16 +150,19 @@ def _token_tensors(
     # in the (rows, width - 1) target grid, row r's flat offset is r * (width - 1).
     t_shift = c_shift - 1 - (0 if pack else np.arange(n))
     t_dst = np.arange(len(c_vals)) + np.repeat(t_shift, c_len)
-    # A completion token with no token before it (empty prompt) cannot be scored.
-    scored = ~(np.repeat(p_len == 0, c_len) & (_segment_index(c_len)[1] == 0))
-    t_dst, l_vals, m_vals = t_dst[scored], l_vals[scored], m_vals[scored]
+    adv_vals = np.repeat(adv, c_len)
+    if (p_len == 0).any():
+        # A completion token with no token before it (empty prompt) cannot be scored.
+        scored = ~(np.repeat(p_len == 0, c_len) & (_segment_index(c_len)[1] == 0))
+        t_dst, l_vals, m_vals = t_dst[scored], l_vals[scored], m_vals[scored]
+        adv_vals = adv_vals[scored]
     size = rows_out * (width - 1)
     loss_mask = np.zeros(size, np.float32)
     blp = np.zeros(size, np.float32)
     adv_tok = np.zeros(size, np.float32)
     loss_mask[t_dst] = m_vals
     blp[t_dst] = l_vals
-    adv_tok[t_dst] = np.repeat(adv, c_len)[scored]
+    adv_tok[t_dst] = adv_vals
     shape, tshape = (rows_out, width), (rows_out, width - 1)
     out: dict[str, Any] = {
         "input_ids": torch.from_numpy(input_ids.reshape(shape)),
