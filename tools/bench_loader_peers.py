@@ -87,11 +87,12 @@ def _arrays(store: RolloutStore, ids: set[str]):
     return out, index
 
 
-def _timed(it, steps: int) -> tuple[float, int, list]:
-    """(seconds, tokens, batches) for ``steps`` batches after the first (warm-up) one."""
-    first = next(it)
+def _timed(it, steps: int, warm: int) -> tuple[float, int, list]:
+    """(seconds, tokens, batches) for ``steps`` batches after ``warm`` warm-up ones (one per
+    worker: each spawned worker's start-up is not timed)."""
+    got = [next(it) for _ in range(warm)]
     t0 = time.perf_counter()
-    tokens, got = 0, [first]
+    tokens = 0
     for _ in range(steps):
         b = next(it)
         tokens += b["num_tokens"]
@@ -107,17 +108,17 @@ def one_case(store: RolloutStore, steps: int, pack: bool, workers: int) -> dict:
         batch_size=BATCH,
         pack=pack,
         learner_version=latest,
-        steps=steps + 1,
+        steps=steps + max(workers, 1),
         record_usage=False,
     )
     it = iter(_loader(ds, workers))
-    secs, tokens, got = _timed(it, steps)
+    secs, tokens, got = _timed(it, steps, max(workers, 1))
     del it
     ids = {r for b in got for r in b["rollout_ids"]}
     (prompts, comps, lps), index = _arrays(store, ids)
     batches = [[index[r] for r in b["rollout_ids"]] for b in got]
     base = _loader(MemoryBatches(prompts, comps, lps, batches, pack), workers)
-    m_secs, m_tokens, m_got = _timed(iter(base), steps)
+    m_secs, m_tokens, m_got = _timed(iter(base), steps, max(workers, 1))
     assert m_tokens == tokens, (m_tokens, tokens)
     for k in CHECKED:
         assert torch.equal(got[0][k], m_got[0][k]), f"loader and baseline differ in {k}"

@@ -30,6 +30,7 @@ import statistics
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import duckdb
@@ -96,22 +97,22 @@ def bench_parquet_appends(tables, work: Path, tok: int, draws: int) -> dict:
         start += t.num_rows
     out = {"bytes_per_token": du(folder) / tok, "ingest_tok_s": tok / (time.perf_counter() - t0)}
     con = duckdb.connect()
+    warnings.filterwarnings("ignore", "Arrow output on a DB-API result", UserWarning)
     glob = str(folder / "*.parquet")
     n = start
 
     def draw(i: int) -> None:
         meta = con.execute(
-            f"SELECT seq, policy_version FROM read_parquet('{glob}') WHERE seq >= ? ORDER BY seq",
-            [max(0, n - WINDOW)],
+            "SELECT seq, policy_version FROM read_parquet(?) WHERE seq >= ? ORDER BY seq",
+            [glob, max(0, n - WINDOW)],
         ).fetchnumpy()
         pv = meta["policy_version"]
         keep = meta["seq"][pv >= pv.max() - STALENESS]
         pick = np.random.default_rng([0, i]).choice(keep, size=min(DRAW, len(keep)), replace=False)
         con.execute(
-            f"SELECT {', '.join(TOKENS)} FROM read_parquet('{glob}') WHERE seq IN "
-            "(SELECT unnest(?))",
-            [pick.tolist()],
-        ).fetch_arrow_table()
+            f"SELECT {', '.join(TOKENS)} FROM read_parquet(?) WHERE seq IN (SELECT unnest(?))",
+            [glob, pick.tolist()],
+        ).to_arrow_table()
 
     out["draw_ms"] = _median_ms(draw, draws)
     return out
@@ -151,7 +152,7 @@ def bench_torchrl(tables, tok: int, draws: int, zstd: bool) -> dict:
         items = [
             TensorDict(
                 {
-                    **{c: torch.from_numpy(cols[c][r]) for c in cols},
+                    **{c: torch.from_numpy(cols[c][r].copy()) for c in cols},
                     "policy_version": torch.tensor(t["policy_version"][r].as_py()),
                     "reward": torch.tensor(t["reward"][r].as_py(), dtype=torch.float32),
                     "advantage": torch.tensor(t["advantage"][r].as_py(), dtype=torch.float32),
@@ -178,6 +179,8 @@ def _rows(col) -> list[np.ndarray]:
     """A list column as one numpy array per row (views of the flat values)."""
     arr = col.combine_chunks()
     values = arr.flatten().to_numpy(zero_copy_only=False)
+    if isinstance(arr, pa.FixedSizeListArray):
+        return list(values.reshape(len(arr), arr.type.list_size))
     off = arr.offsets.to_numpy()
     off = off - off[0]
     return np.split(values, off[1:-1])
