@@ -131,6 +131,9 @@ def _token_tensors(
     # At least one column, so that an empty shard (world_size > rows) or a row without
     # tokens (stores from before append refused them) gives empty tensors, never a crash.
     width = max(int(lengths.sum()) if pack else int(lengths.max(initial=0)), 1)
+    if n and (p_len > 0).all():
+        out = _by_masks(p_vals, c_vals, l_vals, m_vals, p_len, c_len, adv, width, pack)
+        return out, lengths, int(np.count_nonzero(m_vals))
     starts = np.zeros(n, np.int64)
     if pack:
         np.cumsum(lengths[:-1], out=starts[1:])
@@ -150,16 +153,19 @@ def _token_tensors(
     # in the (rows, width - 1) target grid, row r's flat offset is r * (width - 1).
     t_shift = c_shift - 1 - (0 if pack else np.arange(n))
     t_dst = np.arange(len(c_vals)) + np.repeat(t_shift, c_len)
-    # A completion token with no token before it (empty prompt) cannot be scored.
-    scored = ~(np.repeat(p_len == 0, c_len) & (_segment_index(c_len)[1] == 0))
-    t_dst, l_vals, m_vals = t_dst[scored], l_vals[scored], m_vals[scored]
+    adv_vals = np.repeat(adv, c_len)
+    if (p_len == 0).any():
+        # A completion token with no token before it (empty prompt) cannot be scored.
+        scored = ~(np.repeat(p_len == 0, c_len) & (_segment_index(c_len)[1] == 0))
+        t_dst, l_vals, m_vals = t_dst[scored], l_vals[scored], m_vals[scored]
+        adv_vals = adv_vals[scored]
     size = rows_out * (width - 1)
     loss_mask = np.zeros(size, np.float32)
     blp = np.zeros(size, np.float32)
     adv_tok = np.zeros(size, np.float32)
     loss_mask[t_dst] = m_vals
     blp[t_dst] = l_vals
-    adv_tok[t_dst] = np.repeat(adv, c_len)[scored]
+    adv_tok[t_dst] = adv_vals
     shape, tshape = (rows_out, width), (rows_out, width - 1)
     out: dict[str, Any] = {
         "input_ids": torch.from_numpy(input_ids.reshape(shape)),
@@ -169,6 +175,38 @@ def _token_tensors(
     }
     out.update(_positions(lengths, width, pack))
     return out, lengths, int(np.count_nonzero(m_vals))
+
+
+def _by_masks(p_vals, c_vals, l_vals, m_vals, p_len, c_len, adv, width, pack):
+    """The fast layout when every row has a prompt token (append refuses empty lists): one
+    small code per grid cell (0 prompt, 1 completion, 2 padding) from one ``np.repeat``, and
+    boolean-mask writes, which keep the values' order, instead of int64 index arrays."""
+    n = len(p_len)
+    rows_out = 1 if pack else n
+    runs = np.stack([p_len, c_len, np.zeros(n, np.int64) if pack else width - p_len - c_len], 1)
+    code = np.repeat(np.tile(np.array([0, 1, 2], np.int8), n), runs.ravel())
+    if pack:
+        code = np.concatenate([code, np.full(width - len(code), 2, np.int8)])
+    code = code.reshape(rows_out, width)
+    input_ids = np.zeros((rows_out, width), np.int64)
+    input_ids[code == 0] = p_vals
+    input_ids[code == 1] = c_vals
+    # Column t of the targets scores token t+1: a completion token's cell, one to the left.
+    scored = code[:, 1:] == 1
+    loss_mask = np.zeros((rows_out, width - 1), np.float32)
+    blp = np.zeros((rows_out, width - 1), np.float32)
+    adv_tok = np.zeros((rows_out, width - 1), np.float32)
+    loss_mask[scored] = m_vals
+    blp[scored] = l_vals
+    adv_tok[scored] = np.repeat(adv, c_len)
+    out: dict[str, Any] = {
+        "input_ids": torch.from_numpy(input_ids),
+        "loss_mask": torch.from_numpy(loss_mask),
+        "behavior_logprobs": torch.from_numpy(blp),
+        "advantages": torch.from_numpy(adv_tok),
+    }
+    out.update(_positions(p_len + c_len, width, pack))
+    return out
 
 
 def _positions(lengths: np.ndarray, width: int, pack: bool) -> dict[str, torch.Tensor]:

@@ -155,7 +155,10 @@ class TokenCache:
             keep = np.isin(self.addr, buffer)
             self.table, self.addr = self.table.filter(pa.array(keep)), self.addr[keep]
         fresh = self.store.take_rows(missing, columns=TOKEN_COLUMNS + SAMPLING_COLUMNS)
-        self.table = fresh if self.table is None else pa.concat_tables([self.table, fresh])
+        table = fresh if self.table is None else pa.concat_tables([self.table, fresh])
+        # One chunk per column: every later take then gathers from one buffer per column
+        # (a take across chunks resolves each row's chunk first, and copies more).
+        self.table = table.combine_chunks()
         self.addr = np.concatenate([self.addr, missing])
         self._order = None
 

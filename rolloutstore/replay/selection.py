@@ -11,6 +11,11 @@ import pyarrow.compute  # noqa: F401  (pa.compute)
 
 from rolloutstore.replay.draw import floats
 
+_PICKED = [
+    "_rowaddr", "rollout_id", "policy_version", "prompt_id", "run_id", "reward", "advantage",
+    "reward_version",
+]  # fmt: skip
+
 
 @dataclass(frozen=True)
 class Selection:
@@ -66,7 +71,8 @@ def selection_of(
 ) -> Selection:
     """The Selection of rows ``idx`` of the candidates ``cand`` (the buffer drawn from) with
     their importance ``weights``; ``fresh``: the fresh mask of every candidate."""
-    pick = cand.take(pa.array(idx, pa.int64()))
+    # Only the columns a Selection keeps: the candidates also hold ones the draw alone reads.
+    pick = cand.select(_PICKED).take(pa.array(idx, pa.int64()))
     pv = pick["policy_version"].to_numpy().astype(np.int64)
     return Selection(
         row_addresses=pick["_rowaddr"].to_numpy().astype(np.uint64),

@@ -145,9 +145,14 @@ def take_rows(
     if addr.size == 0:
         return schema.empty_table().select(list(columns or schema.names))
     uniq, inverse = np.unique(addr, return_inverse=True)
-    # Lance reads sorted addresses fastest; restore the caller's order (and repeats) after.
-    table = ds._take_rows(uniq.tolist(), columns=read_columns(columns, ds.schema))
-    return present(table, columns, schema).take(pa.array(inverse.astype(np.int64)))
+    # Lance reads sorted addresses fastest; restore the caller's order (and repeats) after,
+    # unless they came sorted and unique (a loader's cache fill): then no copy is needed.
+    table = present(
+        ds._take_rows(uniq.tolist(), columns=read_columns(columns, ds.schema)), columns, schema
+    )
+    if len(uniq) == len(addr) and np.array_equal(uniq, addr):
+        return table
+    return table.take(pa.array(inverse.astype(np.int64)))
 
 
 def to_stored(table: pa.Table, version: int, embedding_dim: int, uri: str) -> pa.Table:
