@@ -122,3 +122,21 @@ def test_ratio_change_bound_is_what_the_docs_state():
     assert precision.max_ratio_change(1e-3) == pytest.approx(1.0005e-3, rel=1e-3)
     assert precision.max_ratio_change(1e-3, ratio=1.2) == pytest.approx(1.2006e-3, rel=1e-3)
     assert precision.grid_step(1e-3) == 2.0**-9
+
+
+def test_a_v1_store_keeps_its_bound_through_migrate(tmp_path):
+    """Migration rewrites the schema metadata; the recorded bound must survive it (else the
+    learner would take rounded log-probs for exact ones)."""
+    from rolloutstore.store import layout
+    from rolloutstore.store import migrate as M
+
+    layout.create(str(tmp_path / "v1"), 64, None, schema_version=1)
+    store = RolloutStore.open(tmp_path / "v1")
+    store.set_logprob_precision(1e-2)
+    store.append([{"prompt_ids": [1], "completion_ids": [2, 3], "behavior_logprobs": [-0.123, -1.0],
+                   "policy_version": 0}])  # fmt: skip
+    assert M.migrate(store).to_version == 2
+    migrated = RolloutStore.open(tmp_path / "v1", create=False)
+    assert migrated.schema_version == 2 and migrated.logprob_precision == 1e-2
+    got = _flat(migrated.dataset().to_table(columns=["behavior_logprobs"]))
+    assert np.all(np.abs(got - np.array([-0.123, -1.0])) <= 1e-2)
