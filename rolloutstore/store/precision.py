@@ -32,15 +32,18 @@ import pyarrow as pa
 
 META_PRECISION = b"rolloutstore.logprob_precision"
 LOGPROBS = "behavior_logprobs"
+# Below this the grid step (and its inverse) would leave float32's normal range.
+MIN_BOUND = 2.0**-100
 
 
 def check_bound(bound: float) -> float:
     """``bound`` as a float, refused unless finite and >= 0 (0 = lossless)."""
     if isinstance(bound, bool) or not isinstance(bound, int | float):
         raise ValueError(f"logprob_precision must be a number of nats >= 0, got {bound!r}")
-    if not (math.isfinite(bound) and bound >= 0):
+    if not (math.isfinite(bound) and (bound == 0 or bound >= MIN_BOUND)):
         raise ValueError(
-            f"logprob_precision must be finite and >= 0 (0: lossless float32), got {bound!r}"
+            f"logprob_precision must be finite and 0 (lossless float32) or >= {MIN_BOUND:g} "
+            f"nats, got {bound!r}"
         )
     return float(bound)
 
@@ -57,9 +60,15 @@ def quantize(values: np.ndarray, bound: float) -> np.ndarray:
     step = grid_step(bound)
     if step == 0:
         return values
-    # Division and multiplication by a power of two are exact; the rounding is the only error.
-    out = (np.rint(values.astype(np.float64) / step) * step).astype(np.float32)
-    return out + np.float32(0.0)  # -0.0 -> 0.0
+    # Scaling by a power of two is exact in float32, so the rounding is the only error.
+    with np.errstate(over="ignore", invalid="ignore"):
+        out = np.rint(values * np.float32(1.0 / step))
+        out *= np.float32(step)
+    beyond = ~np.isfinite(out)  # |x| / step past float32's range: x is on the grid already
+    if beyond.any():
+        out[beyond] = values[beyond]
+    out += np.float32(0.0)  # -0.0 -> 0.0
+    return out
 
 
 def quantize_table(table: pa.Table, bound: float) -> pa.Table:
