@@ -47,3 +47,34 @@ def test_learner_refuses_a_store_coarser_than_the_run_asks(tmp_path):
     with pytest.raises(ConfigError, match=r"logprob_precision = 0\.001"):
         check_logprob_precision(store, TrainConfig.from_dict({}))
     check_logprob_precision(store, TrainConfig.from_dict({"store": {"logprob_precision": 1e-3}}))
+
+
+@pytest.mark.slow
+def test_a_run_records_its_bound_and_appends_on_the_grid(tmp_path):
+    """End to end: [store].logprob_precision reaches the store's metadata before the first
+    append, every stored log-prob sits on the bound's grid, and a lossless config is then
+    refused on that store."""
+    import numpy as np
+    import pyarrow.compute as pc
+
+    from rolloutstore.store.precision import grid_step
+    from trainer.run.sync import train
+
+    base = {
+        "model": {"num_layers": 1},
+        "task": {"options": {"max_operands": 2, "max_digits": 1, "ops": ["+"]}},
+        "eval": {"prompts": 0},
+        "generation": {"group_size": 4, "max_tokens": 5, "prompts_per_round": 4},
+        "run": {"dir": str(tmp_path / "run"), "steps": 2, "batch_size": 8,
+                "updates_per_round": 1, "checkpoint_every": 2},
+    }  # fmt: skip
+    train(TrainConfig.from_dict({**base, "store": {"logprob_precision": 1e-3}}))
+    store = RolloutStore.open(tmp_path / "run" / "store", create=False)
+    assert store.logprob_precision == 1e-3 and store.count() > 0
+    lp = pc.list_flatten(store.dataset().to_table()["behavior_logprobs"]).to_numpy()
+    step = grid_step(1e-3)
+    assert np.array_equal(np.rint(lp / step) * step, lp)  # on the grid: rounded when stored
+    assert np.any(lp != 0)
+    with pytest.raises(ConfigError, match="never lowered"):
+        train(TrainConfig.from_dict({**base, "run": {**base["run"], "dir": str(tmp_path / "b"),
+              "store": str(tmp_path / "run" / "store")}}))  # fmt: skip
