@@ -10,6 +10,7 @@
     [optim]       trainer.algo.optim.OptimConfig
     [run]         dir, seed, steps, updates per round, batch size, checkpoints, mode
     [eval]        held-out evaluation: prompts, samples per prompt or greedy, temperature, every
+    [store]       how the run's store keeps rollouts: logprob_precision (0: lossless)
 
 Unknown sections or keys and bad values fail before any work starts, naming
 ``[section].key``. The seeds of [model], [replay] and [optim] and ``[optim].total_steps``
@@ -31,6 +32,7 @@ from typing import Any, Literal
 
 from rolloutstore.options import help_field as _h
 from rolloutstore.replay.config import ReplayConfig
+from rolloutstore.store.precision import check_bound
 from trainer.algo.loss import LossConfig
 from trainer.algo.optim import OptimConfig
 from trainer.control import ControlConfig
@@ -301,6 +303,23 @@ def process_threads(run: RunConfig) -> int:
     return max(1, cores)
 
 
+@dataclass(frozen=True)
+class StoreConfig:
+    logprob_precision: float = _h(
+        "absolute error bound (nats) of the stored behaviour log-probs: 0 keeps them lossless "
+        "(float32); e.g. 1e-3 rounds them to a power-of-two grid within it (about 2.5 bytes "
+        "per token fewer; docs/benchmarks.md). Recorded in the store; it may be raised, never "
+        "lowered; must not exceed [loss].logprob_tolerance",
+        0.0,
+    )
+
+    def __post_init__(self) -> None:
+        try:
+            check_bound(self.logprob_precision)
+        except ValueError as exc:
+            raise ConfigError(f"[store].logprob_precision: {exc}") from exc
+
+
 SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "task": TaskConfig,
@@ -310,6 +329,7 @@ SECTIONS: dict[str, type] = {
     "optim": OptimConfig,
     "run": RunConfig,
     "eval": EvalConfig,
+    "store": StoreConfig,
 }
 
 
@@ -445,8 +465,15 @@ class TrainConfig:
     run: RunConfig = field(default_factory=RunConfig)
     control: ControlConfig = field(default_factory=ControlConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
 
     def __post_init__(self) -> None:
+        if self.store.logprob_precision > self.loss.logprob_tolerance:
+            raise ConfigError(
+                f"[store].logprob_precision = {self.store.logprob_precision:g} nats is more than "
+                f"the loss tolerates ([loss].logprob_tolerance = {self.loss.logprob_tolerance:g}):"
+                " lower the first or raise the second"
+            )
         for (section, key), source in FOLLOW_RUN.items():
             table = getattr(self, section)
             if getattr(table, key) is None:
@@ -577,6 +604,7 @@ TABLES: dict[str, type] = {
     "optim": OptimConfig,
     "run": RunConfig,
     "eval": EvalConfig,
+    "store": StoreConfig,
 }
 # Subtables that are off unless present: their keys are printed commented out.
 OFF_UNLESS_PRESENT = {"model.lora"}

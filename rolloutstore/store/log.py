@@ -44,7 +44,7 @@ from rolloutstore.query.sql import connect, run
 from rolloutstore.schema import compat as schema_compat
 from rolloutstore.schema import spec as S
 from rolloutstore.schema.validate import chunks, prepare
-from rolloutstore.store import layout, maintenance, side_tables
+from rolloutstore.store import layout, maintenance, precision, side_tables
 from rolloutstore.store.gc import (
     DEFAULT_MIN_AGE,
     GcResult,
@@ -234,6 +234,7 @@ class RolloutLog:
         schema_compat.check_columns(ds.schema, stored, self.embedding_dim, self.uri)
         stored_schema = S.rollout_schema(self.embedding_dim, stored)
         ids = IdCheck(lambda: self._open_ds(ROLLOUTS), on_duplicate)
+        bound = precision.recorded(ds.schema)  # opt-in lossy log-probs (store.precision)
         fragments: list = []
         rows = seen = 0
         committing = False
@@ -253,6 +254,7 @@ class RolloutLog:
                 seen += ids.last_rows
                 if table.num_rows == 0:
                     continue
+                table = precision.quantize_table(table, bound)
                 fragments += write_fragments(
                     table,
                     target,
@@ -293,6 +295,34 @@ class RolloutLog:
         return side_tables.append_usage(
             self.uri, self.storage_options, rollout_ids, learner_step, run_id
         )
+
+    # -- log-prob precision ---------------------------------------------------------------
+    @property
+    def logprob_precision(self) -> float:
+        """Absolute error bound (nats) of the stored behaviour log-probs; 0.0 = lossless."""
+        return precision.recorded(self._rollouts().schema)
+
+    def set_logprob_precision(self, bound: float) -> float:
+        """Store behaviour log-probs of later appends to within ``bound`` nats (0: lossless).
+
+        The bound is recorded in the store's metadata (the learner checks it); it may be
+        raised, never lowered, since rows already stored keep their error. Returns it.
+        See :mod:`rolloutstore.store.precision`.
+        """
+        self.check_writable()
+        bound = precision.check_bound(bound)
+        ds = self._rollouts()
+        now = precision.recorded(ds.schema)
+        if bound < now:
+            raise ValueError(
+                f"store {self.uri!r} records log-probs to within {now:g} nats; asked for "
+                f"{bound:g}: rows already stored keep their error, so the bound cannot be "
+                "lowered; write to a new store for a tighter one"
+            )
+        if bound > now:
+            precision.record(ds, bound)
+            self._ds_cache = None
+        return bound
 
     # -- maintenance ---------------------------------------------------------------------
     def compact(self, *, cleanup_older_than: timedelta | None = None) -> dict[str, Any]:

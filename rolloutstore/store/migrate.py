@@ -38,6 +38,7 @@ from rolloutstore.errors import SchemaError
 from rolloutstore.schema import spec as S
 from rolloutstore.schema.compat import V2_COLUMNS, stored_version
 from rolloutstore.store.layout import ROLLOUTS, is_local, join, retry_conflicts
+from rolloutstore.store.precision import META_PRECISION
 
 if TYPE_CHECKING:
     from rolloutstore.store.log import RolloutLog
@@ -124,6 +125,10 @@ def _migrate_once(store: RolloutLog, ds: lance.LanceDataset) -> MigrateResult:
     if version != 1:  # read_metadata refuses newer versions already
         raise SchemaError(f"cannot migrate rollout schema v{version} to v{S.SCHEMA_VERSION}")
     target = S.rollout_schema(store.embedding_dim)
+    if META_PRECISION in (ds.schema.metadata or {}):  # keep an opt-in log-prob bound
+        target = target.with_metadata(
+            {**target.metadata, META_PRECISION: ds.schema.metadata[META_PRECISION]}
+        )
     if ds.schema.names != [n for n in target.names if n not in V2_COLUMNS]:
         raise SchemaError(
             f"store {store.uri!r} has columns {ds.schema.names}, expected those of rollout "

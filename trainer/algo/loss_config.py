@@ -79,6 +79,13 @@ class LossConfig:
     )
     kl_coef: float = _h("k3 KL penalty to a frozen reference model (0: off)", 0.0)
     entropy_coef: float = _h("entropy bonus coefficient (0: off)", 0.0)
+    logprob_tolerance: float = _h(
+        "largest error (nats) of stored behaviour log-probs the learner accepts (a store's "
+        "[store].logprob_precision); an error b moves every ratio pi / mu by a factor within "
+        "exp(+-b): 0.01 is 1%, a 20th of the default clip range. A store recording more is "
+        "refused at start",
+        0.01,
+    )
     staleness_decay: float | None = _h(
         "per-sequence weight decay ** staleness (policy versions behind), in (0, 1] (None: off)",
         None,
@@ -113,6 +120,8 @@ class LossConfig:
             raise ValueError(f"decoupled_cap must be > 0 or None, got {self.decoupled_cap!r}")
         if not self.m2po_tau > 0.0:
             raise ValueError(f"m2po_tau must be > 0, got {self.m2po_tau!r}")
+        if not self.logprob_tolerance >= 0.0:
+            raise ValueError(f"logprob_tolerance must be >= 0, got {self.logprob_tolerance!r}")
         if not self.kl_coef >= 0.0:
             raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef!r}")
         if not self.entropy_coef >= 0.0:

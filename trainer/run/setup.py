@@ -19,7 +19,7 @@ from rolloutstore.replay.loader import ReplayDataset
 from trainer.algo.learner import Learner
 from trainer.algo.loss_config import LossConfig
 from trainer.config import TrainConfig, configured_location, storage_options_from_env
-from trainer.errors import RunDirError
+from trainer.errors import ConfigError, RunDirError
 from trainer.models.load import check_model_dir, load_model, resolve_device, resolve_dtype
 from trainer.models.lora import apply_lora
 from trainer.rollout.evaluation import EvalResult
@@ -137,8 +137,11 @@ def setup_learner(
     # torchrun ranks: cuda:LOCAL_RANK (or the CPU); one process: [model].device.
     device = d.device if d.enabled else resolve_device(cfg.model.device)
     model, tokenizer = load_learner_model(cfg, model_dir)
+    if d.is_main and cfg.store.logprob_precision > store.logprob_precision:
+        store.set_logprob_precision(cfg.store.logprob_precision)
     if r.sources and d.is_main:
         _import_sources(store, r.sources, run_id, tokenizer)
+    check_logprob_precision(store, cfg)
     ckpt = None
     if resume:  # the newest undamaged checkpoint (damaged newer ones: one warning line each)
         ckpt = newest_good_checkpoint(run_dir, warn=None if d.is_main else lambda _line: None)
@@ -196,6 +199,25 @@ def load_learner_model(cfg: TrainConfig, model_dir: Path) -> tuple[Any, Any]:
     if mc.lora is not None:
         model = apply_lora(model, mc.lora, seed=cfg.run.seed)
     return model, tokenizer
+
+
+def check_logprob_precision(store: RolloutStore, cfg: TrainConfig) -> None:
+    """Refuse a store whose log-probs are coarser than the loss tolerates, or than the run
+    asks for (a store's bound is never lowered; rolloutstore.store.precision)."""
+    recorded = store.logprob_precision
+    if recorded > cfg.loss.logprob_tolerance:
+        raise ConfigError(
+            f"store {store.uri} keeps behaviour log-probs to within {recorded:g} nats, more "
+            f"than the loss tolerates ([loss].logprob_tolerance = "
+            f"{cfg.loss.logprob_tolerance:g}): ratios pi / mu could be off by a factor "
+            f"exp({recorded:g}); raise the tolerance or train from a store with a tighter bound"
+        )
+    if recorded > cfg.store.logprob_precision:
+        raise ConfigError(
+            f"store {store.uri} keeps behaviour log-probs to within {recorded:g} nats, but "
+            f"[store].logprob_precision = {cfg.store.logprob_precision:g}: a store's bound is "
+            f"never lowered; set [store].logprob_precision = {recorded:g} or use a new store"
+        )
 
 
 def _import_sources(store: RolloutStore, sources, run_id: str, tokenizer) -> None:

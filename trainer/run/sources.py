@@ -124,6 +124,8 @@ def import_sources(
             # Rows of a run the source replayed are on the source run's versions already.
             top = owner[r["run_id"]]
             shift = newest[top] + 1
+            if src.logprob_precision > store.logprob_precision:  # its rows' error comes along
+                store.set_logprob_precision(src.logprob_precision)
             store.append(_rebased(src, r["run_id"], shift))
             if top == r["run_id"]:
                 store.record_lineage(run_id, 0, r["run_id"], r["newest"])
