@@ -15,8 +15,14 @@ from trainer.control import ControlConfig
 from trainer.errors import ConfigError
 from trainer.models.lora import LoraSettings
 from trainer.rollout.sampling import GenerationConfig, SamplingParams
+from trainer.run.ray_config import RayConfig
 
-TABLES = {**SECTIONS, "replay.control": ControlConfig, "model.lora": LoraSettings}
+TABLES = {
+    **SECTIONS,
+    "replay.control": ControlConfig,
+    "model.lora": LoraSettings,
+    "run.ray": RayConfig,
+}
 
 
 # -- every key documented ------------------------------------------------------------------------
