@@ -9,7 +9,7 @@
     [loss]        trainer.algo.loss.LossConfig
     [optim]       trainer.algo.optim.OptimConfig
     [run]         dir, seed, steps, updates per round, batch size, checkpoints, mode, launcher
-    [run.ray]     trainer.run.ray_config.RayConfig (launcher = "ray": cluster, actor resources)
+    [run.ray]     trainer.rollout.ray_config.RayConfig (launcher = "ray": cluster, actor resources)
     [eval]        held-out evaluation: prompts, samples per prompt or greedy, temperature, every
 
 Unknown sections or keys and bad values fail before any work starts, naming
@@ -38,7 +38,7 @@ from trainer.control import ControlConfig
 from trainer.errors import ConfigError, TaskFileError
 from trainer.models.lora import LoraSettings
 from trainer.rollout.evaluation import EvalConfig
-from trainer.run.ray_config import RayConfig
+from trainer.rollout.ray_config import RayConfig
 from trainer.rollout.sampling import GenerationConfig
 from trainer.tasks import Task, get_task
 from trainer.tasks.chat import check_chat_mode

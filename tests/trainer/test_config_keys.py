@@ -14,8 +14,8 @@ from trainer.config import DEPRECATED, FOLLOW_RUN, SECTIONS, RunConfig, TrainCon
 from trainer.control import ControlConfig
 from trainer.errors import ConfigError
 from trainer.models.lora import LoraSettings
+from trainer.rollout.ray_config import RayConfig
 from trainer.rollout.sampling import GenerationConfig, SamplingParams
-from trainer.run.ray_config import RayConfig
 
 TABLES = {
     **SECTIONS,

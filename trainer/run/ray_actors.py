@@ -28,8 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from trainer.rollout.ray_config import RayConfig
 from trainer.run.faults import ACTOR_FAULT_ENV
-from trainer.run.ray_config import RayConfig
 
 # Ray lets a stopping actor this long to finish its round after STOP (as JOIN_SECONDS).
 JOIN_SECONDS = 120.0
