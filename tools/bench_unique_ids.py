@@ -2,11 +2,17 @@
 
     python tools/bench_unique_ids.py                  # 200k stored rows in 100 fragments
     python tools/bench_unique_ids.py --rows 1000000
+    python tools/bench_unique_ids.py --keyed          # keyed insert vs check-then-append
 
 Prints, for appends of 64 and 4096 rows that name their rollout ids: the append with
 the check (index lookup + unindexed tail, what ``RolloutStore.append`` does), the
 append of rows without ids (no check needed: the store generates UUIDv7), the
 lookup alone through the index, and the lookup by a full-scan filter; then ratios.
+
+``--keyed``: appends that name their ids, through the keyed insert (Lance merge_insert on
+rollout_id, what ``RolloutStore.append`` does; atomic against concurrent writers of one id)
+vs the check-then-append it replaced (``RolloutLog.KEYED_INSERT = False``), alternated on
+the same store, in rows per second; plus appends without ids (plain append) for scale.
 """
 
 from __future__ import annotations
@@ -49,9 +55,34 @@ def timed(f, repeat: int = 5) -> float:
     return (time.perf_counter() - start) / repeat * 1000
 
 
+def keyed(store: RolloutStore, repeat: int) -> None:
+    """Keyed insert vs check-then-append, alternated on one store (fresh ids each time)."""
+    seed = 1000
+    for n in (64, 1024, 4096):
+        times: dict[str, list[float]] = {"keyed": [], "checked": [], "no ids": []}
+        for _ in range(repeat):
+            for name in times:
+                seed += 1
+                batch = rows(n, seed, ids=name != "no ids")
+                type(store).KEYED_INSERT = name != "checked"
+                t0 = time.perf_counter()
+                store.append(batch)
+                times[name].append(time.perf_counter() - t0)
+        type(store).KEYED_INSERT = True
+        med = {k: float(np.median(v)) for k, v in times.items()}
+        print(
+            f"{n:5d}-row append, median of {repeat}: keyed {med['keyed'] * 1e3:7.1f} ms "
+            f"({n / med['keyed']:8.0f} rows/s) | check-then-append {med['checked'] * 1e3:7.1f} ms "
+            f"({n / med['checked']:8.0f} rows/s) | no ids {med['no ids'] * 1e3:7.1f} ms | "
+            f"keyed/checked time {med['keyed'] / med['checked']:4.2f}x"
+        )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=200_000)
+    ap.add_argument("--keyed", action="store_true", help="keyed insert vs check-then-append")
+    ap.add_argument("--repeat", type=int, default=7, help="--keyed: appends per mode and size")
     a = ap.parse_args()
     root = tempfile.mkdtemp()
     try:
@@ -61,6 +92,9 @@ def main() -> None:
             store.append(rows(per, i, ids=False))
         ds = store.dataset()
         print(f"store: {ds.count_rows()} rows, {len(ds.get_fragments())} fragments")
+        if a.keyed:
+            keyed(store, a.repeat)
+            return
         for n in (64, 4096):
             ids = uuid7_strings(n)
             expr = pc.field("rollout_id").isin(ids)

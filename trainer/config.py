@@ -8,7 +8,8 @@
     [replay.control]  trainer.control.ControlConfig (replay-ratio controller, off by default)
     [loss]        trainer.algo.loss.LossConfig
     [optim]       trainer.algo.optim.OptimConfig
-    [run]         dir, seed, steps, updates per round, batch size, checkpoints, mode
+    [run]         dir, seed, steps, updates per round, batch size, checkpoints, mode, launcher
+    [run.ray]     trainer.rollout.ray_config.RayConfig (launcher = "ray": cluster, actor resources)
     [eval]        held-out evaluation: prompts, samples per prompt or greedy, temperature, every
     [store]       how the run's store keeps rollouts: logprob_precision (0: lossless)
 
@@ -39,12 +40,14 @@ from trainer.control import ControlConfig
 from trainer.errors import ConfigError, TaskFileError
 from trainer.models.lora import LoraSettings
 from trainer.rollout.evaluation import EvalConfig
+from trainer.rollout.ray_config import RayConfig
 from trainer.rollout.sampling import GenerationConfig
 from trainer.tasks import Task, get_task
 from trainer.tasks.chat import check_chat_mode
 from trainer.tasks.tools import check_tool_names, with_tools
 
 Mode = Literal["sync", "async"]
+Launcher = Literal["local", "ray"]
 IdMode = Literal["seeded", "clock"]
 
 
@@ -234,6 +237,12 @@ class RunConfig:
     )
     mode: Mode = _h("sync: one process alternates; async: actors and a learner", "sync")
     actors: int = _h("async: actor processes", 1)
+    launcher: Launcher = _h(
+        'async: what starts and restarts the actors: "local" (processes beside the learner) '
+        'or "ray" (Ray actors on a cluster, [run.ray]; pip install rolloutstore[ray])',
+        "local",
+    )
+    ray: RayConfig = _h("[run.ray]: the Ray launcher's cluster and actor resources", RayConfig())
     min_rows: int = _h("async: the learner waits until the buffer holds this many rows", 64)
     warm_start_steps: int = _h("supervised steps on task solutions before RL", 0)
     warm_start_lr: float = _h("learning rate of the warm start", 1e-3)
@@ -270,6 +279,12 @@ class RunConfig:
     def __post_init__(self) -> None:
         if self.mode not in typing.get_args(Mode):
             raise ValueError(f"mode must be one of {typing.get_args(Mode)}, got {self.mode!r}")
+        if self.launcher not in typing.get_args(Launcher):
+            raise ConfigError(f'[run].launcher = {self.launcher!r}: choose "local" or "ray"')
+        try:
+            object.__setattr__(self, "ray", RayConfig.from_table(self.ray))
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"[run.ray]: {exc}") from exc
         if self.ids not in typing.get_args(IdMode):
             raise ConfigError(f'[run].ids = {self.ids!r}: choose "seeded" or "clock"')
         for name in ("steps", "updates_per_round", "batch_size", "checkpoint_every", "actors"):
@@ -515,6 +530,10 @@ class TrainConfig:
         if lora is not None:
             model = {**model, "lora": lora}
         d["model"] = model
+        run_table, ray_table = _split_sub(d.get("run", {}), "run", "ray")
+        if ray_table is not None:
+            run_table = {**run_table, "ray": ray_table}
+        d["run"] = run_table
         _read_deprecated(d)
         run = _build("run", RunConfig, d.get("run", {}))
         for (section, key), source in FOLLOW_RUN.items():
@@ -603,6 +622,7 @@ TABLES: dict[str, type] = {
     "loss": LossConfig,
     "optim": OptimConfig,
     "run": RunConfig,
+    "run.ray": RayConfig,
     "eval": EvalConfig,
     "store": StoreConfig,
 }

@@ -59,8 +59,10 @@ def create(
     one only to test reading and migrating stores that older releases wrote."""
     if is_local(uri):
         os.makedirs(uri.removeprefix("file://"), exist_ok=True)
+    from rolloutstore.store.unique import with_primary_key
+
     for name, sch in (
-        (ROLLOUTS, S.rollout_schema(embedding_dim, schema_version)),
+        (ROLLOUTS, with_primary_key(S.rollout_schema(embedding_dim, schema_version))),
         (USAGE, S.table_schema("usage")),
     ):
         target = join(uri, name)

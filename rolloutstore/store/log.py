@@ -22,6 +22,7 @@ This module owns opening, appending and reading; it delegates the dataset layout
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -53,7 +54,7 @@ from rolloutstore.store.gc import (
     references_any,
 )
 from rolloutstore.store.layout import ROLLOUTS, USAGE, disk_full, exists, is_local, join
-from rolloutstore.store.unique import IdCheck, OnDuplicate, gives_ids
+from rolloutstore.store.unique import IdCheck, OnDuplicate, gives_ids, keyed_insert
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,10 @@ class AppendResult:
 
 class RolloutLog:
     """The rollout log at ``uri``. Use :meth:`open`; see the module docstring."""
+
+    # Appends that name their ids commit through a keyed insert (no duplicate even with
+    # concurrent writers of one id); False only for tools/bench_unique_ids.py's baseline.
+    KEYED_INSERT = True
 
     def __init__(
         self,
@@ -233,28 +238,24 @@ class RolloutLog:
         read_version, stored = ds.version, schema_compat.stored_version(ds.schema)
         schema_compat.check_columns(ds.schema, stored, self.embedding_dim, self.uri)
         stored_schema = S.rollout_schema(self.embedding_dim, stored)
-        ids = IdCheck(lambda: self._open_ds(ROLLOUTS), on_duplicate)
+        ids = IdCheck(lambda: self._open_ds(ROLLOUTS), on_duplicate, keyed=self.KEYED_INSERT)
         bound = precision.recorded(ds.schema)  # opt-in lossy log-probs (store.precision)
+        tables = (
+            precision.quantize_table(t, bound)
+            for t in _validated(data, ids, self.schema, stored, self.embedding_dim, self.uri)
+        )
         fragments: list = []
-        rows = seen = 0
+        rows = 0
         committing = False
         try:
-            for chunk in chunks(data):
-                given = gives_ids(chunk)
-                try:
-                    table = prepare(chunk, self.schema, unique_ids=False)
-                    table = schema_compat.to_stored(table, stored, self.embedding_dim, self.uri)
-                    table = ids.filter(table, given)
-                except ValidationError as exc:
-                    if seen and exc.row is not None:
-                        raise ValidationError(
-                            exc.reason, row=seen + exc.row, field=exc.field
-                        ) from exc
-                    raise
-                seen += ids.last_rows
-                if table.num_rows == 0:
-                    continue
-                table = precision.quantize_table(table, bound)
+            first = next(tables, None)
+            if first is not None and ids.keyed:  # ids given: one atomic keyed insert
+                rows, offered, ds = keyed_insert(
+                    self._open_ds(ROLLOUTS), itertools.chain([first], tables), stored_schema, ids
+                )
+                self._ds_cache = ds
+                return AppendResult(rows, ds.version, ids.skipped + offered - rows)
+            for table in itertools.chain([first] if first is not None else [], tables):
                 fragments += write_fragments(
                     table,
                     target,
@@ -279,7 +280,7 @@ class RolloutLog:
             if not (committing and references_any(self.uri, self.storage_options, fragments)):
                 discard_fragments(self.uri, fragments)
             if isinstance(exc, OSError) and disk_full(exc):
-                raise DiskFullError(f"append of {seen} rows", self.uri) from exc
+                raise DiskFullError(f"append of {ids.offset} rows", self.uri) from exc
             schema_compat.refuse_if_migrated(lambda: self._open_ds(ROLLOUTS), stored, exc)
             raise
         self._ds_cache = ds
@@ -410,6 +411,24 @@ class RolloutLog:
         object store, the data files of this version as its manifest records them (listing
         a bucket prefix costs a request per 1,000 objects). None if a size is unrecorded."""
         return layout.bytes_on_disk(self.uri, self._rollouts)
+
+
+def _validated(data, ids: IdCheck, schema: pa.Schema, stored: int, dim: int, uri: str):
+    """``data``'s chunks validated, in the stored schema, rows with repeated ids dealt with;
+    a ValidationError names the row counted across the whole input."""
+    for chunk in chunks(data):
+        given = gives_ids(chunk)
+        seen = ids.offset
+        try:
+            table = prepare(chunk, schema, unique_ids=False)
+            table = schema_compat.to_stored(table, stored, dim, uri)
+            table = ids.filter(table, given)
+        except ValidationError as exc:
+            if seen and exc.row is not None:
+                raise ValidationError(exc.reason, row=seen + exc.row, field=exc.field) from exc
+            raise
+        if table.num_rows:
+            yield table
 
 
 def _reopen(cls: type[RolloutLog], uri: str, version: int | None, storage_options: dict | None):

@@ -14,9 +14,15 @@ from trainer.config import DEPRECATED, FOLLOW_RUN, SECTIONS, RunConfig, TrainCon
 from trainer.control import ControlConfig
 from trainer.errors import ConfigError
 from trainer.models.lora import LoraSettings
+from trainer.rollout.ray_config import RayConfig
 from trainer.rollout.sampling import GenerationConfig, SamplingParams
 
-TABLES = {**SECTIONS, "replay.control": ControlConfig, "model.lora": LoraSettings}
+TABLES = {
+    **SECTIONS,
+    "replay.control": ControlConfig,
+    "model.lora": LoraSettings,
+    "run.ray": RayConfig,
+}
 
 
 # -- every key documented ------------------------------------------------------------------------

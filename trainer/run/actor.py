@@ -28,7 +28,7 @@ from trainer.config import (
 from trainer.errors import ConfigError
 from trainer.rollout.pipeline import RoundIds, generate_rollouts, resolve_backend
 from trainer.rollout.policy import actor_policy
-from trainer.rollout.weights import fetch_weights, latest_weights, read_text
+from trainer.rollout.weights import fetch_weights, latest_weights, read_text, write_text
 from trainer.run.faults import actor_crash
 from trainer.run.resume import effective_config
 
@@ -123,6 +123,7 @@ def run_actor(
     storage_options: dict[str, str] | None = None,
     state_dir: str | os.PathLike | None = None,
     max_rounds: int | None = None,
+    state_beside_weights: bool = False,
 ) -> int:
     """Actor ``actor_id`` (see the module docstring); returns the rounds it generated.
 
@@ -131,7 +132,9 @@ def run_actor(
     (local paths or object-store URIs; ``storage_options`` default to
     $ROLLOUTSTORE_STORAGE_OPTIONS). It stops when the learner writes STOP beside the
     weights, or after ``max_rounds``. ``state_dir`` keeps its next round (a{K}.json)
-    and, for object-store weights, the downloaded versions.
+    and, for object-store weights, the downloaded versions. ``state_beside_weights``: the
+    next round is also kept in ``WEIGHTS/actors/a{K}.json`` (the Ray launcher: an actor
+    restarted on another node continues from there, not from a lost local disk).
     """
     options = storage_options if storage_options is not None else storage_options_from_env()
     cfg, meta, store_uri, weights_dir, state_dir, run_dir = _actor_source(
@@ -143,7 +146,8 @@ def run_actor(
     store = RolloutStore.open(store_uri, storage_options=options)
     state_path = state_dir / f"a{actor_id}.json"
     state_path.parent.mkdir(parents=True, exist_ok=True)
-    rnd = int(_read_json(state_path).get("round", 0))
+    shared = _shared_state(weights_dir, options) if state_beside_weights else None
+    rnd = _next_round(state_path, shared, actor_id)
     backend = resolve_backend(g.backend)
     # Learner and actors share the CPU cores ([run] threads: by default an even share each);
     # a vLLM CPU engine binds its own block of them (actor k the k+1-th, the learner's first).
@@ -192,9 +196,27 @@ def run_actor(
             unfinished = False
             done_at_version += 1
             _round_done(state_path, log_path, summary, actor_id, rnd, version)
+            if shared is not None:
+                write_text(shared[0], f"a{actor_id}.json", json.dumps({"round": rnd}), shared[1])
     finally:
         policy.close()
     return rounds
+
+
+def _shared_state(weights_dir, options) -> tuple[str | Path, dict | None]:
+    """(location, storage options) of the actors' next rounds beside the weights."""
+    actors = f"{str(weights_dir).rstrip('/')}/actors" if "://" in str(weights_dir) else None
+    return (actors or Path(weights_dir) / "actors", options)
+
+
+def _next_round(state_path: Path, shared: tuple | None, actor_id: int) -> int:
+    """The round this actor starts at: the later of its local record and, with ``shared``,
+    the one beside the weights (rounds only move forward)."""
+    rnd = int(_read_json(state_path).get("round", 0))
+    if shared is not None:
+        text = read_text(shared[0], f"a{actor_id}.json", shared[1])
+        rnd = max(rnd, int(json.loads(text)["round"]) if text else 0)
+    return rnd
 
 
 def _round_ids(cfg: TrainConfig, meta: dict[str, Any], actor_id: int, rnd: int) -> RoundIds:

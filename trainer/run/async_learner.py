@@ -216,7 +216,9 @@ class AsyncLoop(Loop):
         self.metrics = Metrics(run_dir, state)  # records after the checkpoint dropped
         if state is None:  # from step 0: what the imported rows give this run
             report_sources(cfg, self.store, self.run_id, self.metrics)
-        self.actors = ActorPool(run_dir, r.actors, rounds_ahead(cfg), self.metrics)
+        self.actors = _actor_pool(
+            cfg, run_dir, self.metrics, self.weights_dir, self.store_uri, self.options
+        )
         self.generator = _eval_generator(
             cfg, self.model_dir, self.learner.policy_version, self.run_id
         )
@@ -285,6 +287,19 @@ class AsyncLoop(Loop):
         self.publisher.publish(
             self.weights_dir, self.learner.policy_version, self.learner.model, self.model_dir
         )
+
+
+def _actor_pool(cfg: TrainConfig, run_dir: Path, metrics: Metrics, weights_dir, store_uri, options):
+    """The actors' launcher: processes beside the learner, or Ray actors ([run] launcher)."""
+    r = cfg.run
+    if r.launcher == "local":
+        return ActorPool(run_dir, r.actors, rounds_ahead(cfg), metrics)
+    from trainer.run.ray_actors import RayActorPool  # Ray is imported only here
+
+    return RayActorPool(
+        run_dir, r.actors, rounds_ahead(cfg), metrics, ray_cfg=r.ray, weights_dir=weights_dir,
+        store_uri=store_uri, options=options, train_cfg=cfg,
+    )  # fmt: skip
 
 
 def _progress(state: dict[str, Any] | None) -> tuple[int, dict[str, float], float | None]:
