@@ -38,6 +38,7 @@ from trainer.algo.loss import LossConfig
 from trainer.algo.optim import OptimConfig
 from trainer.control import ControlConfig
 from trainer.errors import ConfigError, TaskFileError
+from trainer.models.cores import cpu_count  # re-exported: tests and tools import it here
 from trainer.models.lora import LoraSettings
 from trainer.rollout.evaluation import EvalConfig
 from trainer.rollout.ray_config import RayConfig
@@ -296,14 +297,6 @@ class RunConfig:
         ):  # fmt: skip
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-
-
-def cpu_count() -> int:
-    """The cores this process may run on (its affinity mask, not the machine's count)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
 
 
 def process_threads(run: RunConfig) -> int:

@@ -32,7 +32,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from trainer.config import cpu_count
+from trainer.models.cores import cpu_count
 
 ENGINE_LOG = "engine.log"  # in the run folder (an actor: engine-a{K}.log)
 _RESERVED, _BIND = "VLLM_CPU_NUM_OF_RESERVED_CPU", "VLLM_CPU_OMP_THREADS_BIND"
