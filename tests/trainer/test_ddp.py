@@ -37,6 +37,7 @@ micro_batch_tokens = 24  # several micro-batches per rank: DDP syncs only the la
 [run]
 dir = "{dir}"
 run_id = "ddp-test"
+ids = "clock"  # the run id and id_time_ms make the ids: runs of other lengths share them
 id_time_ms = 1700000000000
 steps = {steps}
 updates_per_round = 3
