@@ -15,7 +15,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from helpers import require_vllm, resumable_run_toml
+from helpers import require_vllm, resumable_run_toml, with_eval
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -282,7 +282,9 @@ def test_a_row_beyond_the_model_positions_is_refused_by_rollout_id(tmp_path):
 
 # -- a run's train records: rows trained, and what the token budget cut --------------------------
 def test_a_shrunk_batch_is_a_train_metric_and_one_warning(tmp_path):
-    run = resumable_run_toml("shrunk", "batch_size = 8\nmax_tokens_per_batch = 60\neval_every = 0")
+    run = with_eval(
+        resumable_run_toml("shrunk", "batch_size = 8\nmax_tokens_per_batch = 60"), every=0
+    )
     cfg = TrainConfig.from_dict(tomllib.loads(run.format(dir=tmp_path / "run", steps=3)))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

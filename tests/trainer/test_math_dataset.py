@@ -60,4 +60,4 @@ def test_the_math_example_names_the_command_that_writes_its_data(tmp_path):
     n = int(args[args.index("--problems") + 1])
     assert len(rows) == n and {r["kind"] for r in rows} == {"add"}
     # The held-out split covers the example's eval prompts.
-    assert data["task"]["eval_prompts"] <= n * data["task"]["options"]["eval_fraction"]
+    assert data["eval"]["prompts"] <= n * data["task"]["options"]["eval_fraction"]

@@ -40,7 +40,7 @@ def test_three_configs_share_the_learner_and_differ_in_replay(tmp_path):
     assert (cor.loss.loss_type, cor.replay.diversity) == ("tis", "prompt")
     # Equal budget: half the rollouts per round -> twice the steps; evals at equal rollouts.
     assert (on.run.steps, rep.run.steps) == (32, 64)
-    assert on.run.eval_every * 128 == rep.run.eval_every * 64
+    assert on.eval.every * 128 == rep.eval.every * 64
     assert Path(on.run.dir) == tmp_path / "onpolicy-s3"
     # The overrides round-trip through the config file format.
     assert type(on).from_dict(on.to_dict()) == on
