@@ -468,3 +468,21 @@ def test_lm_head_and_softmax_run_in_float32_under_bf16_autocast() -> None:
     assert gh.dtype == torch.bfloat16 and gw.dtype == torch.float32
     torch.testing.assert_close(gw, rw, rtol=0, atol=1e-6)
     torch.testing.assert_close(gh, rh.bfloat16(), rtol=0, atol=0)
+
+
+def test_frozen_head_under_bf16_autocast_matches_float32() -> None:
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(2, 24, 64, generator=g).bfloat16().requires_grad_()
+    weight = torch.randn(300, 64, generator=g) * 0.2  # frozen float32 head
+    targets = torch.randint(0, 300, (2, 24), generator=g)
+    kw = dict(temperature=0.7, top_p=0.95, chunk_size=16, return_entropy=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = token_logprobs(hidden, weight, targets, **kw)
+    h32 = hidden.detach().float().requires_grad_()
+    ref = naive_token_logprobs(h32, weight, targets, **kw)
+    finite = torch.isfinite(ref.logprobs)
+    torch.testing.assert_close(got.logprobs[finite], ref.logprobs[finite], rtol=0, atol=1e-5)
+    (gh,) = torch.autograd.grad((got.logprobs[finite] * 0.1).sum() + got.entropy.sum(), [hidden])
+    (rh,) = torch.autograd.grad((ref.logprobs[finite] * 0.1).sum() + ref.entropy.sum(), [h32])
+    assert gh.dtype == torch.bfloat16
+    torch.testing.assert_close(gh.float(), rh, rtol=1e-2, atol=1e-3)
