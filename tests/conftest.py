@@ -15,10 +15,14 @@ def store(tmp_path) -> RolloutStore:
 @pytest.fixture(scope="session")
 def smollm2_dir():
     """The real model of the slow tests (SmolLM2-135M-Instruct, float32), built by
-    ``make smollm2`` (which ``make test`` runs first). A missing folder fails, never skips."""
+    ``make smollm2`` (which ``make test`` runs first). A missing folder fails, never skips.
+    ``SMOLLM2_DIR`` names another folder (a second checkout reusing the first one's model)."""
+    import os
+    from pathlib import Path
+
     from helpers import ROOT
 
-    path = ROOT / ".cache" / "smollm2" / "fp32"
+    path = Path(os.environ.get("SMOLLM2_DIR") or ROOT / ".cache" / "smollm2" / "fp32")
     if not (path / "build.json").is_file():
         pytest.fail(f"no SmolLM2 model at {path}: run `make smollm2` (tools/make_smollm2.py)")
     return path

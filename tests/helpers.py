@@ -126,6 +126,15 @@ prompts = 4
 """
 
 
+def with_eval(text: str, **keys: int) -> str:
+    """A run's TOML text (or template) with ``keys`` in its ``[eval]`` table (added at the end
+    when it has none), e.g. ``with_eval(text, every=0)``."""
+    lines = "".join(f"{k} = {int(v)}\n" for k, v in keys.items())
+    if "\n[eval]\n" in text:
+        return text.replace("\n[eval]\n", "\n[eval]\n" + lines, 1)
+    return text.rstrip("\n") + "\n[eval]\n" + lines
+
+
 def resumable_run_toml(run_id: str, run_keys: str) -> str:
     """TINY_RUN_TOML plus the [loss], [optim] and [run] the resume tests share: a template
     with ``{dir}`` and ``{steps}`` left to fill; ``run_keys``: more ``[run]`` lines."""

@@ -33,7 +33,7 @@ LAYERS = [
     ("trainer.errors", "trainer.tasks", "trainer.models"),
     ("trainer.algo",),
     ("trainer.rollout",),
-    ("trainer.control", "trainer.config"),
+    ("trainer.control", "trainer.config_sections", "trainer.config"),
     ("trainer.run",),
     ("trainer.cli", "trainer.__main__", "trainer.store_commands", "trainer"),
 ]

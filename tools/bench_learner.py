@@ -18,6 +18,11 @@ Rows are random token ids (prompt ~40, completions lognormal around ``--completi
 behaviour log-probs from the model itself, so ratios are ~1 as in an on-policy step; throughput
 does not depend on which ids they are. Tokens/s count every token of the batch.
 
+Both sides get the same padded batches, dtype, threads and attention (sdpa), and they alternate
+batch by batch (learner, plain, learner, plain, ...), as do the two forwards; the table gives
+medians, so a load change on a shared machine hurts both sides alike. Beside wall time it gives
+this process's CPU seconds, which other processes' load disturbs less.
+
     python tools/bench_learner.py                                   # SmolLM2 (make smollm2), LoRA 16
     python tools/bench_learner.py --lora 0 --batch 16               # every weight trained
     python tools/bench_learner.py --model M --device cuda --out docs/benchmarks.md
@@ -33,7 +38,9 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -106,12 +113,61 @@ def _plain_step(model, opt, batch, device, dtype) -> None:
     opt.zero_grad(set_to_none=True)
 
 
-def _timed(fn, device) -> float:
+def _timed(fn, device) -> tuple[float, float]:
+    """(wall seconds, this process's CPU seconds) of one call."""
     _sync(device)
-    t0 = time.perf_counter()
+    w0, c0 = time.perf_counter(), time.process_time()
     fn()
     _sync(device)
-    return time.perf_counter() - t0
+    return time.perf_counter() - w0, time.process_time() - c0
+
+
+def interleaved(sides: dict[str, Callable[[Any], Any]], batches: list, device) -> dict:
+    """Every side on every batch, alternating sides batch by batch (A B A B ...), so that a
+    change of machine load falls on all sides alike: ``{side: [(wall, cpu), ...]}``."""
+    out: dict[str, list[tuple[float, float]]] = {name: [] for name in sides}
+    for b in batches:
+        for name, fn in sides.items():
+            out[name].append(_timed(lambda fn=fn, b=b: fn(b), device))
+    return out
+
+
+def _median(pairs: list[tuple[float, float]], k: int) -> float:
+    # The first batch of each side is its warm-up (allocator, kernels, AdamW state).
+    return statistics.median(p[k] for p in pairs[1:])
+
+
+def _table(args, device, dtype, tokens: list[int], results: dict, merge) -> str:
+    import torch
+
+    per_step = statistics.median(tokens[1:])
+    lines = [
+        "",
+        f"**Learner speed** ({datetime.date.today()}, `tools/bench_learner.py`): "
+        f"{Path(args.model).name} on {device} ({torch.get_num_threads()} threads), "
+        f"{str(dtype).removeprefix('torch.')}, "
+        f"{'LoRA rank ' + str(args.lora) if args.lora else 'all weights'}, "
+        f"{args.batch} rows/step, median {per_step:.0f} tokens/step; medians of {args.reps} "
+        "steps per side after 1 warm-up, sides interleaved batch by batch "
+        f"(load average before / after: {args.load_before} / {os.getloadavg()[0]:.1f}).",
+        "",
+        "| method | wall s/step | tokens/s (wall) | CPU s/step | plain / method (wall, CPU) |",
+        "|---|---|---|---|---|",
+    ]
+    for name, secs in results.items():
+        ref = "plain fwd+bwd+AdamW" if "forward" not in name else FWD_REF
+        wall, cpu = _median(secs, 0), _median(secs, 1)
+        ratio = f"{_median(results[ref], 0) / wall:.2f}x, {_median(results[ref], 1) / cpu:.2f}x"
+        lines.append(f"| {name} | {wall:.3f} | {per_step / wall:,.0f} | {cpu:.3f} | {ratio} |")
+    if merge is not None:
+        lines.append(
+            f"| LoRA merge for the generator (`generator_state`) | {_median(merge, 0):.3f} | - "
+            f"| {_median(merge, 1):.3f} | - |"
+        )
+    return "\n".join(lines)
+
+
+FWD_REF = "forward: transformers logits + log_softmax"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -125,10 +181,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=32, help="rows per step")
     ap.add_argument("--prompt-len", type=int, default=40)
     ap.add_argument("--completion-len", type=int, default=64)
-    ap.add_argument("--reps", type=int, default=3, help="timed steps per method (after 1 warm-up)")
+    ap.add_argument("--reps", type=int, default=5, help="timed steps per side (after 1 warm-up)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads on CPU (0: default)")
     ap.add_argument("--out", help="append the table to this markdown file")
     args = ap.parse_args(argv)
+    args.load_before = f"{os.getloadavg()[0]:.1f}"
 
     import numpy as np
     import torch
@@ -167,7 +224,6 @@ def main(argv: list[str] | None = None) -> int:
         batches = list(ds)
     tokens = [int(b["attention_mask"].sum()) for b in batches]
 
-    results: dict[str, list[float]] = {}
     learner = Learner(
         copy.deepcopy(base),
         LossConfig(loss_type="ppo"),
@@ -175,14 +231,18 @@ def main(argv: list[str] | None = None) -> int:
         device=device,
         compute_dtype=dtype,
     )
-    results["learner step"] = [_timed(lambda b=b: learner.step(b), device) for b in batches]
-    learner = None  # free its weights before the baseline
-
     plain = copy.deepcopy(base).train()
     opt = torch.optim.AdamW([p for p in plain.parameters() if p.requires_grad], lr=1e-5)
-    results["plain fwd+bwd+AdamW"] = [
-        _timed(lambda b=b: _plain_step(plain, opt, b, device, dtype), device) for b in batches
-    ]
+    print("timing the steps, interleaved ...", flush=True)
+    results = interleaved(
+        {
+            "learner step": learner.step,
+            "plain fwd+bwd+AdamW": lambda b: _plain_step(plain, opt, b, device, dtype),
+        },
+        batches,
+        device,
+    )
+    learner = None  # free its weights and AdamW state before the forwards
 
     # Where the time goes: the forwards alone (no grad), the learner's head vs full logits.
     plain.eval()
@@ -204,40 +264,15 @@ def main(argv: list[str] | None = None) -> int:
             ).logits
             torch.log_softmax(out.float(), dim=-1)
 
-    results["forward: learner log-prob head"] = [
-        _timed(lambda b=b: head(b), device) for b in batches
-    ]
-    results["forward: transformers logits + log_softmax"] = [
-        _timed(lambda b=b: logits(b), device) for b in batches
-    ]
+    print("timing the forwards, interleaved ...", flush=True)
+    results.update(
+        interleaved({"forward: learner log-prob head": head, FWD_REF: logits}, batches, device)
+    )
     merge = None
     if args.lora:
         merge = [_timed(lambda: generator_state(plain), device) for _ in range(args.reps + 1)]
 
-    timed_tokens = sum(tokens[1:])
-    lines = [
-        "",
-        f"**Learner speed** ({datetime.date.today()}, `tools/bench_learner.py`): "
-        f"{Path(args.model).name} on {device} ({torch.get_num_threads()} threads), "
-        f"{str(dtype).removeprefix('torch.')}, "
-        f"{'LoRA rank ' + str(args.lora) if args.lora else 'all weights'}, "
-        f"{args.batch} rows/step, {timed_tokens / args.reps:.0f} tokens/step "
-        f"(mean of {args.reps} steps after 1 warm-up; load average {os.getloadavg()[0]:.1f}).",
-        "",
-        "| method | seconds/step | tokens/s | vs plain |",
-        "|---|---|---|---|",
-    ]
-    ref = statistics.mean(results["plain fwd+bwd+AdamW"][1:])
-    for name, secs in results.items():
-        s = statistics.mean(secs[1:])
-        ratio = f"{ref / s:.2f}x" if "forward" not in name else "-"
-        lines.append(f"| {name} | {s:.3f} | {timed_tokens / args.reps / s:,.0f} | {ratio} |")
-    if merge is not None:
-        lines.append(
-            f"| LoRA merge for the generator (`generator_state`) | {statistics.mean(merge[1:]):.3f}"
-            " | - | - |"
-        )
-    text = "\n".join(lines)
+    text = _table(args, device, dtype, tokens, results, merge)
     print(text)
     if args.out:
         with open(args.out, "a") as f:

@@ -67,7 +67,7 @@ def test_architecture_trains_and_scores_like_its_generator(tmp_path, architectur
     cfg = TrainConfig.from_dict(
         {
             "model": {"path": str(model_dir), "device": "cpu", **model_keys},
-            "task": {**TASK, "eval_prompts": 0},
+            "task": TASK,
             "generation": {"group_size": 4, "max_tokens": 6, "prompts_per_round": 4},
             "replay": {"window": 64, "seed": 1},
             "loss": {"entropy_coef": 0.01},
@@ -77,9 +77,9 @@ def test_architecture_trains_and_scores_like_its_generator(tmp_path, architectur
                 "steps": 2,
                 "updates_per_round": 2,
                 "batch_size": 8,
-                "eval_every": 0,
                 "checkpoint_every": 2,
             },
+            "eval": {"prompts": 0, "every": 0},
         }  # fmt: skip
     )
     result = train(cfg, progress=False)

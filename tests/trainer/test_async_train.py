@@ -33,7 +33,6 @@ hidden_size = 128
 [task]
 name = "arith"
 options = {{{{ max_operands = 2, max_digits = 1, ops = ["+"] }}}}
-eval_prompts = 4
 [generation]
 backend = "hf"
 group_size = {GROUP}
@@ -56,7 +55,9 @@ batch_size = {BATCH}
 min_rows = 16
 checkpoint_every = 3
 warm_start_steps = 2
-eval_every = 0
+[eval]
+prompts = 4
+every = 0
 """
 
 

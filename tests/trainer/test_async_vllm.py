@@ -31,7 +31,6 @@ hidden_size = 128
 [task]
 name = "arith"
 options = {{{{ max_operands = 2, max_digits = 1, ops = ["+"] }}}}
-eval_prompts = 4
 [generation]
 backend = "vllm"
 group_size = {GROUP}
@@ -55,7 +54,9 @@ batch_size = 8
 min_rows = 16
 checkpoint_every = {STEPS}
 warm_start_steps = 2
-eval_every = 0
+[eval]
+prompts = 4
+every = 0
 """
 
 

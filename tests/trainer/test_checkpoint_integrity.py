@@ -8,7 +8,7 @@ import tomllib
 
 import pytest
 import torch
-from helpers import inject_fault, resumable_run_toml
+from helpers import inject_fault, resumable_run_toml, with_eval
 
 import trainer.run.checkpoint as C
 import trainer.run.sync as T
@@ -139,16 +139,18 @@ def test_abandoned_saves_are_removed(tmp_path):
 
 # -- a real run: kill it, damage its newest checkpoint, resume ---------------------------------
 STEPS = 8
-RUN = resumable_run_toml(
-    "integrity",
-    """
+RUN = with_eval(
+    resumable_run_toml(
+        "integrity",
+        """
 updates_per_round = 2
 batch_size = 8
 checkpoint_every = 3
 keep_checkpoints = 10
 warm_start_steps = 1
-eval_every = 0
 """,
+    ),
+    every=0,
 )
 
 

@@ -176,7 +176,6 @@ def _small(run_dir: Path, steps: int, **control) -> dict:
         "task": {
             "name": "arith",
             "options": {"max_operands": 2, "max_digits": 1, "ops": ["+"]},
-            "eval_prompts": 4,
         },
         "generation": {
             "group_size": 4,
@@ -198,8 +197,8 @@ def _small(run_dir: Path, steps: int, **control) -> dict:
             "batch_size": 8,
             "checkpoint_every": 2,
             "warm_start_steps": 3,
-            "eval_every": 0,
         },
+        "eval": {"prompts": 4, "every": 0},
     }
 
 

@@ -338,7 +338,7 @@ def test_math_run_stores_chat_rendered_prompts_and_reward_versions(tmp_path, mon
     data = tomllib.loads((ROOT / "examples/math.toml").read_text())
     assert data["task"]["options"]["reward"] == "math" and data["task"]["chat_template"] is True
     data["model"].update(num_layers=1)
-    data["eval"] = dict(data.get("eval", {}), prompts=4, every=0)
+    data["eval"].update(prompts=4, every=0)
     data["generation"].update(backend="hf", group_size=4, prompts_per_round=4, max_tokens=6)
     data["run"].update(dir=str(tmp_path / "run"), steps=2, batch_size=8, warm_start_steps=0,
                        checkpoint_every=2)  # fmt: skip

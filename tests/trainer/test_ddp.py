@@ -19,14 +19,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TINY_RUN_TOML
+from helpers import TINY_RUN_TOML, with_eval
 from safetensors.torch import load_file
 
 from rolloutstore import RolloutStore
 
 ROOT = Path(__file__).parents[2]
 STEPS, ROUND = 6, 3  # two generation rounds; checkpoints after each
-CONFIG = (
+CONFIG = with_eval(
     TINY_RUN_TOML
     + """
 [loss]
@@ -45,8 +45,8 @@ batch_size = 8
 checkpoint_every = 3
 keep_checkpoints = 5
 warm_start_steps = 3
-eval_every = 0
-"""
+""",
+    every=0,
 )
 
 

@@ -97,6 +97,81 @@ def test_chunked_matches_naive_random_shapes(n, v, chunk, top_k, seed) -> None:
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("chunk_size", [3, 1000])
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+@pytest.mark.parametrize(
+    "top_k, top_p", [(None, None), (5, None), (None, 0.8), (10, 0.9)], ids=["plain", "k", "p", "kp"]
+)
+@pytest.mark.parametrize("entropy", [False, True])
+def test_frozen_head_matches_naive(chunk_size, temperature, top_k, top_p, entropy) -> None:
+    # A frozen head (LoRA) takes the other backward: hidden-state gradients from expectations
+    # saved in forward. Same values, same gradients as plain autograd over full logits.
+    hidden, weight, bias, targets = make_inputs()
+    weight, bias = weight.detach(), bias.detach()
+    targets[0, :3] = -100  # ignored targets: log-prob 0, no gradient
+    kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, return_entropy=entropy)
+    got = token_logprobs(hidden, weight, targets, chunk_size=chunk_size, lm_head_bias=bias, **kw)
+    ref = naive_token_logprobs(hidden, weight, targets, lm_head_bias=bias, **kw)
+    assert torch.equal(torch.isinf(got.logprobs), torch.isinf(ref.logprobs))
+    finite = torch.isfinite(ref.logprobs)
+    torch.testing.assert_close(got.logprobs[finite], ref.logprobs[finite], rtol=0, atol=1e-5)
+    if entropy:
+        torch.testing.assert_close(got.entropy, ref.entropy, rtol=0, atol=1e-5)
+    (a,), (b,) = grads_of(got, [hidden]), grads_of(ref, [hidden])
+    assert a.abs().max() > 0
+    torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+def test_frozen_head_gradcheck_float64() -> None:
+    hidden, weight, bias, targets = make_inputs(b=1, t=6, h=4, v=9, dtype=torch.float64)
+    weight, bias = weight.detach(), bias.detach()
+
+    def fn(h):
+        out = token_logprobs(
+            h,
+            weight,
+            targets,
+            temperature=0.7,
+            chunk_size=4,
+            return_entropy=True,
+            lm_head_bias=bias,
+        )
+        return out.logprobs, out.entropy
+
+    assert torch.autograd.gradcheck(fn, (hidden,))
+
+
+def test_entropy_grad_false_detaches_only_the_entropy() -> None:
+    hidden, weight, _, targets = make_inputs()
+    for w in (weight, weight.detach()):  # trained and frozen head
+        out = token_logprobs(hidden, w, targets, return_entropy=True, entropy_grad=False)
+        ref = token_logprobs(hidden, w, targets, return_entropy=True)
+        assert not out.entropy.requires_grad and ref.entropy.requires_grad
+        torch.testing.assert_close(out.entropy, ref.entropy.detach(), rtol=0, atol=0)
+        got = torch.autograd.grad(out.logprobs.sum(), hidden)[0]
+        want = torch.autograd.grad(ref.logprobs.sum(), hidden)[0]
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+def test_frozen_head_backward_builds_nothing_of_vocab_size() -> None:
+    t, v, h, chunk = 4096, 512, 16, 256
+    hidden = torch.randn(t, h, requires_grad=True)
+    weight = torch.randn(v, h)  # frozen
+    targets = torch.randint(0, v, (t,))
+    saved: list[int] = []
+    with torch.autograd.graph.saved_tensors_hooks(
+        lambda x: saved.append(x.numel()) or x, lambda x: x
+    ):
+        out = token_logprobs(hidden, weight, targets, chunk_size=chunk, return_entropy=True)
+    in_backward = _MaxNumel()
+    with in_backward:
+        (out.logprobs.sum() + out.entropy.sum()).backward()
+    assert hidden.grad is not None and in_backward.ops > 0
+    # Saved: the head and (T, H) expectations. Backward works on (T, H), never a logits chunk.
+    assert max(saved) <= max(t * h, v * h)
+    assert in_backward.max_numel <= t * h < chunk * v
+
+
 def identity_head(logits: list[list[float]]):
     """hidden = logits and W = I, so the head reproduces the given logits exactly."""
     x = torch.tensor(logits, dtype=torch.float64)
@@ -393,3 +468,21 @@ def test_lm_head_and_softmax_run_in_float32_under_bf16_autocast() -> None:
     assert gh.dtype == torch.bfloat16 and gw.dtype == torch.float32
     torch.testing.assert_close(gw, rw, rtol=0, atol=1e-6)
     torch.testing.assert_close(gh, rh.bfloat16(), rtol=0, atol=0)
+
+
+def test_frozen_head_under_bf16_autocast_matches_float32() -> None:
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(2, 24, 64, generator=g).bfloat16().requires_grad_()
+    weight = torch.randn(300, 64, generator=g) * 0.2  # frozen float32 head
+    targets = torch.randint(0, 300, (2, 24), generator=g)
+    kw = dict(temperature=0.7, top_p=0.95, chunk_size=16, return_entropy=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = token_logprobs(hidden, weight, targets, **kw)
+    h32 = hidden.detach().float().requires_grad_()
+    ref = naive_token_logprobs(h32, weight, targets, **kw)
+    finite = torch.isfinite(ref.logprobs)
+    torch.testing.assert_close(got.logprobs[finite], ref.logprobs[finite], rtol=0, atol=1e-5)
+    (gh,) = torch.autograd.grad((got.logprobs[finite] * 0.1).sum() + got.entropy.sum(), [hidden])
+    (rh,) = torch.autograd.grad((ref.logprobs[finite] * 0.1).sum() + ref.entropy.sum(), [h32])
+    assert gh.dtype == torch.bfloat16
+    torch.testing.assert_close(gh.float(), rh, rtol=1e-2, atol=1e-3)

@@ -15,7 +15,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from helpers import require_vllm, resumable_run_toml
+from helpers import require_vllm, resumable_run_toml, with_eval
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -28,11 +28,13 @@ from trainer.algo.optim import OptimConfig
 from trainer.config import TrainConfig
 from trainer.errors import ConfigError, TaskError
 from trainer.models.tiny import make_tiny_model
+from trainer.rollout.evaluation import EvalConfig, evaluate
 from trainer.rollout.hf import HFGenerator
 from trainer.rollout.pipeline import RoundIds, generate_rollouts
 from trainer.rollout.sampling import GenerationConfig
 from trainer.run.sync import train
 from trainer.tasks import Prompt, get_task
+from trainer.tasks.arith import ArithTask
 from trainer.tasks.chat import (
     PromptOverflowWarning,
     PromptTooLongError,
@@ -123,6 +125,50 @@ def test_generator_refuses_an_overlong_prompt_without_the_pipeline(gen):
 def test_config_refuses_an_unknown_policy():
     with pytest.raises(ConfigError, match=r"\[generation\]\.prompt_overflow = 'cut'"):
         GenerationConfig(prompt_overflow="cut")
+
+
+class _HeldOut(ArithTask):
+    """Arith whose eval split is fixed: the short prompt, then the long one."""
+
+    def make_eval_prompts(self, n: int, seed: int) -> list[Prompt]:
+        return [SHORT, LONG][:n]
+
+
+def _eval(gen, policy: str, task=None):
+    g = GenerationConfig(group_size=2, max_tokens=MAX_TOKENS, prompt_overflow=policy)
+    return evaluate(gen, task or _HeldOut(), EvalConfig(prompts=2, greedy=True), g, seed=0)
+
+
+def test_eval_skips_what_generation_skips_and_reports_it(gen):
+    with pytest.warns(PromptOverflowWarning, match="1 of 2 prompts were left out.*eval record"):
+        result = _eval(gen, "skip")
+    assert result.prompts == 1 and result.prompts_skipped == 1 and result.prompts_truncated == 0
+    record = result.record()
+    assert record["eval_prompts"] == 1 and record["eval_prompts_skipped"] == 1
+    assert "1 too long, skipped" in result.line()
+
+
+def test_eval_cuts_what_generation_cuts(gen):
+    with pytest.warns(PromptOverflowWarning, match="cut from the left"):
+        result = _eval(gen, "truncate_left")
+    assert result.prompts == 2 and result.prompts_truncated == 1 and result.prompts_skipped == 0
+    assert result.record()["eval_prompts_truncated"] == 1
+
+
+def test_eval_refuses_an_overlong_prompt_under_error(gen):
+    with pytest.raises(PromptTooLongError, match=f"prompt 1 .*context is {POSITIONS}"):
+        _eval(gen, "error")
+
+
+def test_eval_with_no_prompt_that_fits_says_so(gen):
+    class _AllLong(ArithTask):
+        def make_eval_prompts(self, n: int, seed: int) -> list[Prompt]:
+            return [LONG] * n
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PromptOverflowWarning)
+        with pytest.raises(PromptTooLongError, match="all 2 eval prompts are too long"):
+            _eval(gen, "skip", _AllLong())
 
 
 @settings(
@@ -236,7 +282,9 @@ def test_a_row_beyond_the_model_positions_is_refused_by_rollout_id(tmp_path):
 
 # -- a run's train records: rows trained, and what the token budget cut --------------------------
 def test_a_shrunk_batch_is_a_train_metric_and_one_warning(tmp_path):
-    run = resumable_run_toml("shrunk", "batch_size = 8\nmax_tokens_per_batch = 60\neval_every = 0")
+    run = with_eval(
+        resumable_run_toml("shrunk", "batch_size = 8\nmax_tokens_per_batch = 60"), every=0
+    )
     cfg = TrainConfig.from_dict(tomllib.loads(run.format(dir=tmp_path / "run", steps=3)))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -30,7 +30,6 @@ path = "{model}"
 [task]
 name = "file"
 options = {{ path = "{prompts}", reward = "last_int" }}
-eval_prompts = 0
 [generation]
 group_size = 2
 max_tokens = 4
@@ -55,8 +54,10 @@ max_tokens_per_batch = {cap}
 pack = true
 checkpoint_every = 2
 warm_start_steps = 1
-eval_every = 0
 sources = ["{source}"]
+[eval]
+prompts = 0
+every = 0
 """
 
 

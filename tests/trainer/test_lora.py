@@ -18,7 +18,7 @@ import tomllib
 
 import pytest
 import torch
-from helpers import ROOT, inject_fault, require_peft, resumable_run_toml, run_draws
+from helpers import ROOT, inject_fault, require_peft, resumable_run_toml, run_draws, with_eval
 from safetensors.torch import load_file
 
 import trainer.run.sync as T
@@ -36,16 +36,18 @@ LORA = {"rank": 4, "alpha": 8}
 
 def _toml(run_dir, model_dir, *, steps: int = STEPS) -> str:
     """The run's TOML text (the resume tests' tiny run, on ``model_dir``, with [model.lora])."""
-    text = resumable_run_toml(
-        "lora",
-        """
+    text = with_eval(
+        resumable_run_toml(
+            "lora",
+            """
 updates_per_round = 2
 batch_size = 8
 checkpoint_every = 2
 keep_checkpoints = 10
 warm_start_steps = 1
-eval_every = 0
 """,
+        ),
+        every=0,
     ).format(dir=run_dir, steps=steps)
     text = text.replace("[model]\n", f'[model]\npath = "{model_dir}"\ndevice = "cpu"\n', 1)
     return text + "\n[model.lora]\n" + "".join(f"{k} = {v}\n" for k, v in LORA.items())
@@ -364,7 +366,6 @@ alpha = 8
 [task]
 name = "arith"
 options = { max_operands = 2, max_digits = 1, ops = ["+"] }
-eval_prompts = 4
 [generation]
 backend = "hf"
 group_size = 4
@@ -384,7 +385,9 @@ steps = 4
 batch_size = 8
 min_rows = 16
 checkpoint_every = 2
-eval_every = 0
+[eval]
+prompts = 4
+every = 0
 """
 
 

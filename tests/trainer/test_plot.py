@@ -51,10 +51,11 @@ def test_sync_train_records_and_progress_bar_carry_the_policys_own_reward(tmp_pa
     cfg = TrainConfig.from_dict(
         {
             "model": {"num_layers": 1},
-            "task": {"options": {"max_operands": 2, "max_digits": 1}, "eval_prompts": 0},
+            "task": {"options": {"max_operands": 2, "max_digits": 1}},
             "generation": {"group_size": 2, "max_tokens": 4, "prompts_per_round": 4},
             "run": {"dir": str(tmp_path / "run"), "steps": 3, "updates_per_round": 2,
-                    "batch_size": 4, "checkpoint_every": 3, "eval_every": 0},
+                    "batch_size": 4, "checkpoint_every": 3},
+            "eval": {"prompts": 0, "every": 0},
         }
     )  # fmt: skip
     train(cfg, progress=False)

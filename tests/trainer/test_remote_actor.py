@@ -163,7 +163,7 @@ def test_sync_run_with_its_store_on_s3(tmp_path, s3_bucket, monkeypatch):
         {
             **{k: v for k, v in _toml(text).items() if k != "run"},
             "run": {**_toml(text)["run"], "store": f"{uri}/store", "checkpoint_every": 2},
-            "task": {**_toml(text)["task"], "eval_prompts": 0},
+            "eval": {**_toml(text).get("eval", {}), "prompts": 0},
         }
     )
     result = train(cfg, progress=False)

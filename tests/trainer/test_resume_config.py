@@ -15,7 +15,7 @@ import shutil
 import tomllib
 
 import pytest
-from helpers import resumable_run_toml, trainer_cli
+from helpers import resumable_run_toml, trainer_cli, with_eval
 
 import trainer.run.checkpoint as C
 import trainer.run.sync as T
@@ -27,15 +27,17 @@ from trainer.models.lora import LoraSettings
 from trainer.run.resume import APPLIED, REFUSED, check_resume
 
 STEPS = 4
-RUN = resumable_run_toml(
-    "resume-config",
-    """
+RUN = with_eval(
+    resumable_run_toml(
+        "resume-config",
+        """
 updates_per_round = 2
 batch_size = 8
 checkpoint_every = 2
 warm_start_steps = 1
-eval_every = 0
 """,
+    ),
+    every=0,
 )
 OPTIM = {"warmup_steps": 2, "lr_schedule": "cosine", "total_steps": 6, "min_lr_ratio": 0.1}
 LR, NEW_LR = 1e-3, 3e-3

@@ -14,7 +14,7 @@ import json
 import tomllib
 
 import pytest
-from helpers import inject_fault, resumable_run_toml, run_draws
+from helpers import inject_fault, resumable_run_toml, run_draws, with_eval
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
@@ -24,16 +24,18 @@ from trainer.cli import main
 from trainer.config import TrainConfig
 
 STEPS = 8
-RUN = resumable_run_toml(
-    "resume-exact",
-    """
+RUN = with_eval(
+    resumable_run_toml(
+        "resume-exact",
+        """
 updates_per_round = {upr}
 batch_size = 8
 checkpoint_every = {every}
 keep_checkpoints = 10
 warm_start_steps = 1
-eval_every = 0
 """,
+    ),
+    every=0,
 )
 
 

@@ -18,7 +18,6 @@ def _cfg(run_dir, model=None, **run):
             "model": {"num_layers": 1, **(model or {})},
             "task": {
                 "options": {"max_operands": 2, "max_digits": 1, "ops": ["+"]},
-                "eval_prompts": 0,
             },
             "generation": {"group_size": 4, "max_tokens": 5, "prompts_per_round": 4},
             "replay": {"window": 1024},
@@ -30,6 +29,7 @@ def _cfg(run_dir, model=None, **run):
                 "warm_start_steps": 1,
                 **run,
             },
+            "eval": {"prompts": 0},
         }
     )
 

@@ -49,7 +49,7 @@ def _config(smollm2_dir, run_dir, *, backend: str, dtype: str, steps: int) -> Tr
     return TrainConfig.from_dict(
         {
             "model": {"path": str(smollm2_dir), "device": "cpu", "dtype": dtype, "lora": LORA},
-            "task": {"name": "arith", "chat_template": True, "eval_prompts": 0,
+            "task": {"name": "arith", "chat_template": True,
                      "options": {"max_operands": 2, "max_digits": 1, "ops": ["+"]}},
             "generation": {"backend": backend, "group_size": 2, "max_tokens": MAX_TOKENS,
                            "prompts_per_round": 2 if backend == "hf" else 4, "batch_prompts": 4,
@@ -59,8 +59,9 @@ def _config(smollm2_dir, run_dir, *, backend: str, dtype: str, steps: int) -> Tr
             "optim": {"lr": 1e-2},  # LoRA, 2-3 steps: large enough to move the log-probs
             "run": {"dir": str(run_dir), "run_id": f"smollm2-{backend}", "steps": steps,
                     "updates_per_round": 1, "batch_size": 4,
-                    "eval_every": 0, "checkpoint_every": 1, "keep_checkpoints": 10,
+                    "checkpoint_every": 1, "keep_checkpoints": 10,
                     "id_time_ms": 1700000000000},
+            "eval": {"prompts": 0, "every": 0},
         }
     )  # fmt: skip
 

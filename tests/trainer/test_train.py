@@ -11,21 +11,23 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import resumable_run_toml, run_draws, trainer_cli
+from helpers import resumable_run_toml, run_draws, trainer_cli, with_eval
 
 from rolloutstore import RolloutStore
 from trainer.config import ConfigError, TrainConfig
 
 ROOT = Path(__file__).parents[2]
-SMALL = resumable_run_toml(
-    "resume-test",
-    """
+SMALL = with_eval(
+    resumable_run_toml(
+        "resume-test",
+        """
 updates_per_round = 2
 batch_size = 8
 checkpoint_every = 2
 warm_start_steps = 3
-eval_every = 0
 """,
+    ),
+    every=0,
 )
 
 
@@ -37,7 +39,6 @@ num_layers = 1
 [task]
 name = "file"
 options = {{ path = "{long}", reward = "last_int" }}
-eval_prompts = 0
 [generation]
 group_size = 2
 max_tokens = 4
@@ -62,7 +63,9 @@ max_tokens_per_batch = 5000
 pack = true
 checkpoint_every = 2
 warm_start_steps = 1
-eval_every = 0
+[eval]
+prompts = 0
+every = 0
 """
 
 

@@ -83,7 +83,6 @@ alpha = 8
 [task]
 name = "arith"
 chat_template = true
-eval_prompts = 0
 [task.options]
 max_operands = 2
 max_digits = 1
@@ -105,9 +104,11 @@ dir = "{run}"
 steps = 4
 updates_per_round = 2
 batch_size = 8
-eval_every = 0
 checkpoint_every = 2
 keep_checkpoints = 10
+[eval]
+prompts = 0
+every = 0
 """
 
 
@@ -173,12 +174,13 @@ def test_the_transformers_backend_runs_the_folder_with_trust_remote_code(tmp_pat
     cfg = TrainConfig.from_dict(
         {
             "model": {"path": str(model_dir), "device": "cpu", "trust_remote_code": True},
-            "task": {"name": "arith", "chat_template": True, "eval_prompts": 2,
+            "task": {"name": "arith", "chat_template": True,
                      "options": {"max_operands": 2, "max_digits": 1, "ops": ["+"]}},
             "generation": {"backend": "hf", "group_size": 2, "max_tokens": 4,
                            "prompts_per_round": 4},
             "run": {"dir": str(tmp_path / "run"), "steps": 1, "batch_size": 8,
-                    "eval_every": 0, "checkpoint_every": 1},
+                    "checkpoint_every": 1},
+            "eval": {"prompts": 2, "every": 0},
         }
     )  # fmt: skip
     assert train(cfg, progress=False).steps == 1

@@ -502,6 +502,8 @@ class Learner:
             position_ids=mb["position_ids"],
             chunk_size=self.chunk_size,
             return_entropy=entropy,
+            # Without an entropy bonus the entropy is only reported: no gradient to build.
+            entropy_grad=self.loss_cfg.entropy_coef > 0,
             **sampling_kwargs(mb, (self.temperature, self.top_k, self.top_p), self.device),
         )
         if (

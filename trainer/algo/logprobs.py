@@ -134,6 +134,7 @@ def token_logprobs(
     chunk_size: int = 1024,
     return_entropy: bool = False,
     lm_head_bias: Tensor | None = None,
+    entropy_grad: bool = True,
 ) -> LogProbOutput:
     """Log-probs of ``targets`` under ``softmax(process(hidden @ W.T + b) / temperature)``.
 
@@ -147,6 +148,8 @@ def token_logprobs(
             memory is a handful of ``(chunk_size, V)`` float32 buffers, in forward and backward.
         return_entropy: also return the per-token entropy of the processed distribution.
         lm_head_bias: optional ``(V,)``.
+        entropy_grad: False returns the entropy detached (a diagnostic only): with a frozen
+            head that spares forward a third ``(N, V) x (V, H)`` matmul.
 
     Returns:
         ``LogProbOutput`` with ``logprobs`` (and ``entropy``) shaped like ``targets``, in float32
@@ -166,6 +169,8 @@ def token_logprobs(
         None if top_p is None else float(top_p),
         int(chunk_size),
         bool(return_entropy),
+        torch.is_grad_enabled(),
+        bool(entropy_grad),
     )
     return LogProbOutput(
         logprobs=logp.reshape(targets.shape),
@@ -226,6 +231,7 @@ def sequence_logprobs(
     return_entropy: bool = False,
     groups: Tensor | None = None,
     group_settings: Sequence[Sampling] | None = None,
+    entropy_grad: bool = True,
 ) -> LogProbOutput:
     """Next-token log-probs of ``input_ids`` under a HuggingFace causal LM, chunked.
 
@@ -249,6 +255,9 @@ def sequence_logprobs(
     index into ``group_settings`` (``(temperature, top_k, top_p)`` each); the body runs once and
     the head once per group, on that group's positions (``temperature`` / ``top_k`` / ``top_p``
     are then ignored).
+
+    ``entropy_grad=False``: the entropy is a diagnostic, returned detached (see
+    :func:`token_logprobs`).
     """
     if input_ids.dim() != 2 or input_ids.shape[1] < 2:
         raise ValueError(f"input_ids must be (B, T) with T >= 2, got {tuple(input_ids.shape)}")
@@ -263,7 +272,8 @@ def sequence_logprobs(
     head = model.lm_head
     if groups is not None:
         return _grouped_head(hidden[:, :-1], head, input_ids[:, 1:], groups, group_settings,
-                             chunk_size=chunk_size, return_entropy=return_entropy)  # fmt: skip
+                             chunk_size=chunk_size, return_entropy=return_entropy,
+                             entropy_grad=entropy_grad)  # fmt: skip
     return token_logprobs(
         hidden[:, :-1],
         head.weight,
@@ -274,6 +284,7 @@ def sequence_logprobs(
         chunk_size=chunk_size,
         return_entropy=return_entropy,
         lm_head_bias=getattr(head, "bias", None),
+        entropy_grad=entropy_grad,
     )
 
 
@@ -286,6 +297,7 @@ def _grouped_head(
     *,
     chunk_size: int,
     return_entropy: bool,
+    entropy_grad: bool,
 ) -> LogProbOutput:
     """:func:`token_logprobs` per settings group, scattered back (differentiably) in place."""
     if settings is None or tuple(groups.shape) != tuple(targets.shape):
@@ -305,7 +317,7 @@ def _grouped_head(
         out = token_logprobs(
             flat_h[idx], head.weight, flat_t[idx], temperature=temperature, top_k=top_k,
             top_p=top_p, chunk_size=chunk_size, return_entropy=return_entropy,
-            lm_head_bias=getattr(head, "bias", None),
+            lm_head_bias=getattr(head, "bias", None), entropy_grad=entropy_grad,
         )  # fmt: skip
         logp = logp.index_put((idx,), out.logprobs)
         if ent is not None:

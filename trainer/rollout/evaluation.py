@@ -13,6 +13,11 @@ the prompts, so that samples of one prompt are not counted as independent), and 
 than one sample per prompt pass@k by the unbiased estimator (Chen et al. 2021:
 ``1 - C(n-c, k) / C(n, k)`` for ``c`` correct of ``n`` samples) for k = 1, 2, 4, ... n.
 
+Eval prompts follow ``[generation] prompt_overflow`` as training prompts do
+(:func:`trainer.tasks.chat.fit_prompts`): too long for the generator's context beside
+``max_tokens``, they are refused, cut from the left, or left out; the result counts them
+(``prompts_skipped``, ``prompts_truncated``) and the reward is over the prompts scored.
+
 Greedy decoding is refused for training (a point mass has no behaviour log-probs the
 learner can use), but an eval keeps no log-probs: a greedy eval asks the generator's model
 (transformers) or engine (vLLM) for its argmax continuation directly.
@@ -88,6 +93,9 @@ class EvalResult:
     samples_per_prompt: int
     greedy: bool
     seconds: float
+    # Eval prompts too long for the context ([generation].prompt_overflow): not in `prompts`.
+    prompts_skipped: int = 0
+    prompts_truncated: int = 0
 
     def record(self) -> dict[str, Any]:
         """The metrics record's fields (``pass@K`` keys, as TensorBoard tags them)."""
@@ -98,6 +106,8 @@ class EvalResult:
             "eval_prompts": self.prompts,
             "samples_per_prompt": self.samples_per_prompt,
             "greedy": self.greedy,
+            "eval_prompts_skipped": self.prompts_skipped,
+            "eval_prompts_truncated": self.prompts_truncated,
             "seconds": self.seconds,  # this eval's (eval_seconds in the totals: all evals')
         }
 
@@ -108,6 +118,10 @@ class EvalResult:
         if self.pass_at:
             k = max(self.pass_at)
             out += f", pass@{k} {self.pass_at[k]:.3f}"
+        if self.prompts_skipped:
+            out += f"; {self.prompts_skipped} too long, skipped"
+        if self.prompts_truncated:
+            out += f"; {self.prompts_truncated} cut to fit"
         return out + ")"
 
 
@@ -148,13 +162,27 @@ def evaluate(generator: Any, task: Any, cfg: EvalConfig, generation: Any, seed: 
 
     from trainer.rollout.multiturn import samples_for_task
     from trainer.tasks import score_completion
-    from trainer.tasks.chat import render_prompts
+    from trainer.tasks.chat import PromptTooLongError, fit_prompts, render_prompts
 
     t0 = time.perf_counter()
     prompts = render_prompts(
         generator.tokenizer, task.make_eval_prompts(cfg.prompts, seed=PROMPT_SEED + seed),
         task.chat_template,
     )  # fmt: skip
+    # The rule generation applies, on the same generator: refuse, cut or leave out prompts
+    # that do not fit its context beside max_tokens, before anything is sampled.
+    fitted = fit_prompts(
+        generator.tokenizer, prompts, max_tokens=generation.max_tokens,
+        limit=getattr(generator, "max_model_len", None), policy=generation.prompt_overflow,
+        record="eval record",
+    )  # fmt: skip
+    if not fitted.prompts:
+        raise PromptTooLongError(
+            f"all {len(prompts)} eval prompts are too long for the model's context beside "
+            f"[generation].max_tokens = {generation.max_tokens}, so the eval has nothing to "
+            'score: lower max_tokens or use prompt_overflow = "truncate_left"'
+        )
+    prompts = fitted.prompts
     texts = [p.prompt_text for p in prompts]
     m = cfg.samples_per_prompt
     if cfg.greedy:
@@ -179,7 +207,10 @@ def evaluate(generator: Any, task: Any, cfg: EvalConfig, generation: Any, seed: 
     if m > 1:
         counts = correct.reshape(len(prompts), m).sum(axis=1)
         passes = {k: float(np.mean([pass_at_k(m, int(c), k) for c in counts])) for k in pass_ks(m)}
-    return EvalResult(mean, se, passes, len(prompts), m, cfg.greedy, time.perf_counter() - t0)
+    return EvalResult(
+        mean, se, passes, len(prompts), m, cfg.greedy, time.perf_counter() - t0,
+        prompts_skipped=len(fitted.skipped), prompts_truncated=len(fitted.truncated),
+    )  # fmt: skip
 
 
 def greedy_completions(generator: Any, prompts: list[str], max_tokens: int) -> list[str]:

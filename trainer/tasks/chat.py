@@ -138,7 +138,13 @@ class FittedPrompts:
 
 
 def fit_prompts(
-    tokenizer: Any, prompts: Sequence[Prompt], *, max_tokens: int, limit: int | None, policy: str
+    tokenizer: Any,
+    prompts: Sequence[Prompt],
+    *,
+    max_tokens: int,
+    limit: int | None,
+    policy: str,
+    record: str = "generate record",
 ) -> FittedPrompts:
     """Hold rendered ``prompts`` to ``limit`` positions (prompt + ``max_tokens``) by ``policy``.
 
@@ -146,7 +152,8 @@ def fit_prompts(
     prompts are left out. ``"truncate_left"``: each is cut to its longest suffix of text that
     fits, so what it asks (at its end) survives; a chat-rendered prompt is refused under it,
     overlong or not, because a left cut removes the system prompt, the BOS and the turn
-    headers the template wrote. A cut or left-out prompt warns (:class:`PromptOverflowWarning`).
+    headers the template wrote. A cut or left-out prompt warns (:class:`PromptOverflowWarning`),
+    naming the metrics ``record`` that counts it (generation's, or the eval's).
     """
     if policy not in ("error", "truncate_left", "skip"):
         raise ValueError(f'policy must be "error", "truncate_left" or "skip", got {policy!r}')
@@ -181,7 +188,7 @@ def fit_prompts(
         warnings.warn(
             f"{len(which)} of {len(prompts)} prompts were {what} ([generation].prompt_overflow "
             f'= "{policy}"; first: prompt {which[0]}): each needs more than the model\'s '
-            f"{limit} positions with max_tokens {max_tokens}; the generate record counts them",
+            f"{limit} positions with max_tokens {max_tokens}; the {record} counts them",
             PromptOverflowWarning,
             stacklevel=2,
         )
