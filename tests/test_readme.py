@@ -40,6 +40,24 @@ def test_readme_opens_with_the_two_commands():
     assert [line.split("#")[0].strip() for line in first] == ["make demo", "make test"]
 
 
+def test_readme_names_the_real_model_run_and_it_is_the_example():
+    """`make demo-smollm2`, named under the two commands, trains the SmolLM2 example on the
+    folder `make smollm2` builds, with the eval its results section reports."""
+    from trainer.config import TrainConfig
+
+    head = README.read_text().split("\n## ", 1)[0]
+    assert "make demo-smollm2" in head and "docs/results_smollm2_seeds.png" in head
+    dry = subprocess.run(["make", "-n", "demo-smollm2"], cwd=ROOT, capture_output=True, text=True,
+                         check=True).stdout  # fmt: skip
+    assert "tools/make_smollm2.py" in dry
+    assert "train examples/smollm2_arith.toml" in dry
+    cfg = TrainConfig.load(ROOT / "examples/smollm2_arith.toml")
+    assert cfg.model.path == ".cache/smollm2/fp32" and cfg.model.lora is not None
+    assert cfg.run.steps == 12 and cfg.eval.every == 4 and cfg.eval.greedy
+    results = (DOCS / "results.md").read_text()
+    assert "examples/smollm2_arith.toml" in results and "results_smollm2_seeds.png" in results
+
+
 def test_readme_is_a_front_door():
     """Short, and a map of docs/: every doc file is linked from the README's Docs section."""
     assert len(README.read_bytes()) < 12_000
