@@ -28,6 +28,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 
 ROOT = Path(__file__).parents[2]
 GROUP, PROMPTS = 4, 6
+STEPS_ACROSS_NODES = 20
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +128,9 @@ def test_node_removed_mid_run_loses_and_duplicates_nothing(cluster, tmp_path):
     """The actor needs a `rollout_node` resource: it starts on node A; when A is removed,
     Ray restarts it on node B, which continues from the round beside the weights."""
     node_a = cluster.add_node(num_cpus=1, resources={"rollout_node": 1})
-    cfg = _config(tmp_path, steps=6, resources={"rollout_node": 1})
+    # Enough steps that the rows node A's actor makes before A goes (a few rounds on an idle
+    # machine while node B starts) cannot carry the run to its end under max_staleness = 2.
+    cfg = _config(tmp_path, steps=STEPS_ACROSS_NODES, resources={"rollout_node": 1})
     run = tmp_path / "run"
     # The learner in a thread: Ray adds and removes nodes from the main thread only.
     failure: list[BaseException] = []
@@ -151,7 +154,7 @@ def test_node_removed_mid_run_loses_and_duplicates_nothing(cluster, tmp_path):
     assert not t.is_alive() and not failure, failure
     assert len(_records(run, "generate")) > before  # the restarted actor generated on node B
     rounds = _every_row_once(run)
-    assert len(rounds) >= 2 and len(_records(run, "train")) == 6
+    assert len(rounds) >= 2 and len(_records(run, "train")) == STEPS_ACROSS_NODES
 
 
 def _live_actors() -> int:
