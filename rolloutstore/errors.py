@@ -119,6 +119,12 @@ class QueryInterrupted(QueryError):
     """A query was interrupted from outside (Ctrl-C) rather than by its time limit."""
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM arrived while a command ran (``kill``, a scheduler's stop): raised in the main
+    thread as Ctrl-C is, so the same cleanup runs (engines and actor processes stopped,
+    temporary files removed) instead of the process dying with its children left behind."""
+
+
 class UsageError(RolloutStoreError, ValueError):
     """A command-line argument is malformed or names something that does not exist."""
 

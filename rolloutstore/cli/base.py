@@ -4,7 +4,8 @@ that turns usage mistakes into one-line errors, the error policy, and opening a 
 Error policy: a user error (any RolloutStoreError, a bad argument, a path that does not exist,
 an exception class with ``user_facing = True``, or what the calling CLI adds) prints one line
 ``error: ...`` to stderr and exits 2; ``--debug`` (or ``ROLLOUTSTORE_DEBUG=1``) shows the
-traceback instead; anything else is a bug and keeps its traceback. Ctrl-C exits 130.
+traceback instead; anything else is a bug and keeps its traceback. Ctrl-C exits 130; SIGTERM stops the command the same way (its cleanup
+runs) and exits 143.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import sys
 import tomllib
 from collections.abc import Callable
 
-from rolloutstore.errors import QueryInterrupted, RolloutStoreError, UsageError
+from rolloutstore.errors import QueryInterrupted, RolloutStoreError, Terminated, UsageError
 from rolloutstore.query.limits import sigint_interrupts
 
 # Commands that need a model, now in `rolloutstore-train` (same arguments).
@@ -53,9 +54,17 @@ def run_main(
         args = build_parser().parse_args(argv)
         with sigint_interrupts():
             args.func(args)
-    except (KeyboardInterrupt, QueryInterrupted):
+    except Terminated:
         if debug:
             raise
+        print("error: terminated (SIGTERM)", file=sys.stderr)
+        return 143
+    except (KeyboardInterrupt, QueryInterrupted) as exc:
+        if debug:
+            raise
+        if isinstance(exc.__context__, Terminated) or isinstance(exc.__cause__, Terminated):
+            print("error: terminated (SIGTERM)", file=sys.stderr)
+            return 143
         print(f"error: {interrupted}", file=sys.stderr)
         return 130
     except Exception as exc:

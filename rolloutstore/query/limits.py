@@ -21,7 +21,7 @@ from collections.abc import Iterator
 
 import duckdb
 
-from rolloutstore.errors import QueryError, QueryInterrupted, QueryTimeoutError
+from rolloutstore.errors import QueryError, QueryInterrupted, QueryTimeoutError, Terminated
 
 _active: weakref.WeakSet = weakref.WeakSet()  # connections running a guarded query
 _active_lock = threading.Lock()
@@ -97,9 +97,14 @@ def interrupt_all() -> None:
             con.interrupt()
 
 
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise Terminated("terminated (SIGTERM)")
+
+
 @contextlib.contextmanager
 def sigint_interrupts() -> Iterator[None]:
-    """Make Ctrl-C interrupt running DuckDB queries at once (main thread only).
+    """Make Ctrl-C (and SIGTERM, raised as :class:`Terminated`) interrupt running DuckDB
+    queries at once (main thread only).
 
     Python runs its SIGINT handler only between bytecodes, so a query running in
     DuckDB would ignore Ctrl-C until it finished. The C-level handler also writes the
@@ -132,9 +137,17 @@ def sigint_interrupts() -> Iterator[None]:
 
     t = threading.Thread(target=watch, daemon=True, name="rolloutstore-sigint")
     t.start()
+    # SIGTERM stops the command as Ctrl-C does (Terminated, a KeyboardInterrupt), unless the
+    # process already handles it: by default it would die at once, leaving its children
+    # (a vLLM engine, actor processes) running and its temporary files behind.
+    term = signal.getsignal(signal.SIGTERM)
+    if term == signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         yield
     finally:
+        if term == signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.set_wakeup_fd(old)
         os.close(w)  # the watcher reads EOF and ends
         t.join(timeout=5)

@@ -92,6 +92,7 @@ from trainer.run.setup import (
 PUBLISH_EVERY = 1  # learner steps between published weights
 MAX_RESTARTS = 5  # per actor; a crash loop (e.g. a vLLM log-prob mismatch) stops the run
 JOIN_SECONDS = 120.0  # how long the learner lets actors finish their round after STOP
+TERM_SECONDS = 30.0  # then how long a SIGTERM'd actor has to stop its engine before SIGKILL
 
 
 def rounds_ahead(cfg: TrainConfig) -> int:
@@ -150,7 +151,8 @@ class ActorPool:
             self.start(k, first_life=False)
 
     def stop(self) -> None:
-        """Write STOP, give actors JOIN_SECONDS to finish their round, then kill stragglers.
+        """Write STOP, give actors JOIN_SECONDS to finish their round, then stop stragglers:
+        SIGTERM first (the actor's cleanup stops its vLLM engine), SIGKILL after TERM_SECONDS.
 
         Killing is safe: rows are committed in atomic batches with deterministic ids.
         """
@@ -160,8 +162,12 @@ class ActorPool:
             try:
                 p.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+                p.terminate()
+                try:
+                    p.wait(timeout=TERM_SECONDS)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
 
 
 def _eligible_rows(selector: Selector, learner_version: int) -> int:
