@@ -4,8 +4,8 @@ that turns usage mistakes into one-line errors, the error policy, and opening a 
 Error policy: a user error (any RolloutStoreError, a bad argument, a path that does not exist,
 an exception class with ``user_facing = True``, or what the calling CLI adds) prints one line
 ``error: ...`` to stderr and exits 2; ``--debug`` (or ``ROLLOUTSTORE_DEBUG=1``) shows the
-traceback instead; anything else is a bug and keeps its traceback. Ctrl-C exits 130; SIGTERM stops the command the same way (its cleanup
-runs) and exits 143.
+traceback instead; anything else is a bug and keeps its traceback. Ctrl-C exits 130;
+SIGTERM stops the command the same way (its cleanup runs) and exits 143.
 """
 
 from __future__ import annotations
