@@ -25,6 +25,12 @@ current round only, so ``y`` passes over it; ``n4``; ``n16``), no staleness or u
   defaults of ``trainer.algo.loss_config``) and ``ppo-ep4-y8-n4``: PPO epochs, 2 drawn batches
   per round each trained ``ppo_epochs = 4`` times (the same y from repetition, not from the
   buffer).
+* the paper's best buffer (issue #30; group ``paper``): positive-bias sampling with AsymRE
+  (``asymre_delta = -0.1``) and with PPO, ``{asymre,ppo}-pos{25,50}-y{2,4}-n{4,16}``:
+  ``positive_fraction`` = 25% or 50% of each batch from the freshest 25% / 50% x N correct
+  rows of the window (``positive_pool``); and ``ppo-y4-n16-s8``, the 16x window capped at
+  ``max_staleness = 8`` policy versions (2-3 rounds at y = 4). Names:
+  ``tools/replay_sweep_grid.py``.
 
 **Budget: equal compute.** Compute is counted in units of one learner pass over one rollout:
 ``compute = uses + mu x generated rollouts``, ``uses = steps x B x ppo_epochs``, ``mu`` =
@@ -80,6 +86,18 @@ cache)::
     python tools/replay_sweep.py --jobs 2 --cells onpolicy best2 --seeds 5 6 7   # phase 2
     python tools/replay_sweep.py --report                                   # docs/results.md
 
+**Tuned protocol** (issue #30; ``tools/replay_sweep_tune.py``): the first sweep used one lr
+for every cell. ``--tune`` runs each ``--cells`` cell and on-policy at every ``--lr-grid`` lr
+(cells ``NAME-lrX``) on ``--tune-seeds``; ``--evaluate`` runs each at the lr chosen on those
+seeds only on ``--fresh-seeds`` (>= 5, disjoint from the tuning seeds); ``--report`` adds the
+compute-to-target vs lr tables and the best tuned replay cell's saving vs tuned on-policy on
+the fresh seeds at both mu, with its sensitivity to the target::
+
+    python tools/replay_sweep.py --tune --cells paper --plan --jobs 2   # both phases' runs, time
+    python tools/replay_sweep.py --tune --cells paper --jobs 2          # tuning phase
+    python tools/replay_sweep.py --evaluate --cells paper --jobs 2      # evaluation phase
+    python tools/replay_sweep.py --report
+
 Resumable: finished (cell, seed) runs are cached as they end and skipped when their config
 is unchanged; an interrupted run is started again from scratch. Run folders are pruned to
 ``metrics.jsonl`` + ``run.json`` unless ``--keep-runs``. Generation uses transformers (``hf``):
@@ -88,7 +106,8 @@ vLLM's engine start per run and its threads do not fit 2 cores.
 Code: this file is the command and the running of cells (the warm start, a run, its held-out
 pass@k, the worker pool); the grid, the run configs, the cache and ``--plan``'s estimate are in
 ``tools/replay_sweep_grid.py``; the analysis and ``docs/results.md`` in
-``tools/replay_sweep_report.py``.
+``tools/replay_sweep_report.py``; the lr choice and the tuned section in
+``tools/replay_sweep_tune.py``.
 """
 
 from __future__ import annotations
@@ -115,6 +134,9 @@ sys.path.insert(0, str(ROOT))
 from tools.replay_common import copy_sections, load_base, read_metrics  # noqa: E402
 from tools.replay_sweep_grid import (  # noqa: E402
     GRID,
+    GROUPS,
+    ONPOLICY,
+    PAPER_CELLS,
     PASSK_SEED,
     TASK,
     Cache,
@@ -122,11 +144,25 @@ from tools.replay_sweep_grid import (  # noqa: E402
     Sizing,
     build_config,
     config_hash,
+    cost_model,
+    estimate_seconds,
+    lr_name,
     parse_cell,
     plan,
+    schedule,
     warm_dir,
 )
 from tools.replay_sweep_report import best_cells, measured_mu, report, summarise_cells  # noqa: E402
+from tools.replay_sweep_tune import (  # noqa: E402
+    DEFAULT_LR_GRID,
+    FRESH_SEEDS,
+    MIN_FRESH,
+    TUNE_SEEDS,
+    LrChoice,
+    check_seeds,
+    choose_lr,
+    tuned_section,
+)
 from trainer.rollout.evaluation import pass_at_k  # noqa: E402  (the runs' [eval] reports it)
 
 
@@ -363,13 +399,14 @@ def _finish(cache: Cache, job: dict[str, Any], get) -> int:
 
 # -- main ---------------------------------------------------------------------------------------
 def select_cells(tokens: list[str], cache: Cache, hashes_for, target: float) -> list[Cell]:
-    """Cell names, globs (``ppo-y*-n4``), ``all``, ``onpolicy``, ``best`` / ``bestK`` (the K best
-    replay cells by compute to target at the measured mu, from the cache)."""
+    """Cell names, globs (``ppo-y*-n4``), groups (``all``: the first sweep's grid; ``paper``: the
+    paper's best buffer), ``onpolicy``, ``best`` / ``bestK`` (the K best replay cells by
+    compute to target at the measured mu, from the cache)."""
     out: list[Cell] = []
-    names = {c.name: c for c in GRID}
+    names = {c.name: c for c in GRID + PAPER_CELLS}
     for tok in tokens:
-        if tok == "all":
-            got = list(GRID)
+        if tok in GROUPS:
+            got = list(GROUPS[tok])
         elif m := re.fullmatch(r"best(\d*)", tok):
             records = cache.records(hashes_for(GRID))
             summ = summarise_cells(records, target, measured_mu(records), n_boot=200)
@@ -380,7 +417,7 @@ def select_cells(tokens: list[str], cache: Cache, hashes_for, target: float) -> 
         elif any(ch in tok for ch in "*?["):
             got = [names[n] for n in fnmatch.filter(names, tok)]
             if not got:
-                raise SystemExit(f"{tok}: matches no cell of the grid")
+                raise SystemExit(f"{tok}: matches no cell of the grid or the paper group")
         else:
             got = [parse_cell(tok)]
         out += [c for c in got if c not in out]
@@ -391,8 +428,23 @@ def parser() -> argparse.ArgumentParser:
     """The sweep's options: its own, then one per field of ``Sizing`` (``--budget-rounds`` ...)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", type=Path, default=ROOT / "examples/arith.toml", help="base")
-    ap.add_argument("--cells", nargs="+", default=["all"], help="names, globs, all, best2")
+    ap.add_argument("--cells", nargs="+", default=["all"], help="names, globs, all, paper, best2")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    phase = ap.add_mutually_exclusive_group()
+    phase.add_argument(
+        "--tune", action="store_true",
+        help="tuning phase: --cells and on-policy at each --lr-grid lr on --tune-seeds",
+    )  # fmt: skip
+    phase.add_argument(
+        "--evaluate", action="store_true",
+        help="evaluation phase: --cells and on-policy at their tuned lr on --fresh-seeds",
+    )  # fmt: skip
+    ap.add_argument("--lr-grid", type=float, nargs="+", default=list(DEFAULT_LR_GRID))
+    ap.add_argument("--tune-seeds", type=int, nargs="+", default=list(TUNE_SEEDS))
+    ap.add_argument(
+        "--fresh-seeds", type=int, nargs="+", default=list(FRESH_SEEDS),
+        help=f"the evaluation phase's seeds (>= {MIN_FRESH}, none a tuning seed)",
+    )  # fmt: skip
     ap.add_argument("--jobs", type=int, default=1, help="runs in parallel (processes)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per run")
     ap.add_argument("--run-root", type=Path, default=ROOT / "runs/sweep")
@@ -427,13 +479,63 @@ def main(argv: list[str] | None = None) -> int:
             for s in seeds
         }
 
+    if args.tune or args.evaluate or args.report:
+        try:
+            check_seeds(args.tune_seeds, args.fresh_seeds, 1 if args.pilot else MIN_FRESH)
+        except ValueError as exc:
+            raise SystemExit(f"error: {exc}") from None
     cells = select_cells(args.cells, cache, hashes_for, args.target)
     if args.report:
         return _report(args, argv, sz, cache, hashes_for)
+    seeds = args.seeds
+    if args.tune or args.evaluate:
+        # On-policy is tuned and evaluated as every cell is: it is the baseline.
+        bases = list(dict.fromkeys([ONPOLICY] + [c.base for c in cells]))
+        if args.tune:
+            cells = [c.at(lr) for c in bases for lr in args.lr_grid]
+            seeds = args.tune_seeds
+        else:
+            cells = [
+                ch.tuned for ch in tuned_choices(args, sz, cache, hashes_for, bases) if ch.tuned
+            ]
+            seeds = args.fresh_seeds
+            if not cells:
+                raise SystemExit("no cell has a tuned lr yet: run --tune first (same --cells)")
     if args.plan:
-        print(plan(cells, args.seeds, sz, cache, hashes_for(cells, args.seeds), args.jobs))
+        print(plan(cells, seeds, sz, cache, hashes_for(cells, seeds), args.jobs))
+        if args.tune:
+            print(_plan_evaluation(bases, args, sz, cache))
         return 0
-    return _run(args, argv, sz, cache, base, cells)
+    return _run(args, argv, sz, cache, base, cells, seeds)
+
+
+def tuned_choices(
+    args: argparse.Namespace, sz: Sizing, cache: Cache, hashes_for, bases: list[Cell]
+) -> list[LrChoice]:
+    """Each cell's lr, chosen on its cached tuning-seed runs only (printed, one line each)."""
+    tuning = [c.at(lr) for c in bases for lr in args.lr_grid]
+    records = cache.records(hashes_for(tuning, args.tune_seeds))
+    out = []
+    for c in bases:
+        ch = choose_lr(records, c, args.lr_grid, args.tune_seeds, args.target, sz.mu_budget)
+        if ch.lr is None:
+            print(f"{c.name}: not tuned (missing {'; '.join(ch.missing)}): left out")
+        else:
+            p = ch.chosen
+            print(f"{c.name}: lr {lr_name(ch.lr)} ({p.reached}/{len(p.hits)} tuning seeds reached)")
+        out.append(ch)
+    return out
+
+
+def _plan_evaluation(bases: list[Cell], args: argparse.Namespace, sz: Sizing, cache: Cache) -> str:
+    """``--plan --tune``'s last line: what the evaluation phase will add."""
+    cm = cost_model(cache)
+    runs = [estimate_seconds(c, sz, cm) for c in bases for _ in args.fresh_seeds]
+    wall = schedule(runs, args.jobs)
+    return (
+        f"then the evaluation phase (--evaluate): {len(runs)} runs ({len(bases)} cells x "
+        f"{len(args.fresh_seeds)} fresh seeds), about {wall / 60:.0f} min with --jobs {args.jobs}"
+    )
 
 
 def _report(args: argparse.Namespace, argv: list[str], sz: Sizing, cache: Cache, hashes_for) -> int:
@@ -444,9 +546,17 @@ def _report(args: argparse.Namespace, argv: list[str], sz: Sizing, cache: Cache,
     if stale:
         print(f"note: {stale} cached runs have another configuration; left out")
     cmd = " ".join(["python tools/replay_sweep.py"] + [shlex.quote(a) for a in argv])
+    records = cache.records(hashes)
+    tuned = []
+    if any(c.lr is not None for c in records):
+        tuned = tuned_section(
+            records, lr_grid=args.lr_grid, tune_seeds=args.tune_seeds,
+            fresh_seeds=args.fresh_seeds, target=args.target, choice_mu=sz.mu_budget,
+            n_boot=args.bootstrap,
+        )  # fmt: skip
     block = report(
         cache, hashes, sz, target=args.target, out=args.out, command=cmd,
-        n_boot=args.bootstrap, pilot=args.pilot,
+        n_boot=args.bootstrap, pilot=args.pilot, tuned=tuned,
     )  # fmt: skip
     print(block)
     return 0
@@ -459,10 +569,11 @@ def _run(
     cache: Cache,
     base: dict[str, Any],
     cells: list[Cell],
+    seeds: list[int],
 ) -> int:
     """The sweep: every (cell, seed) run not cached yet. Exit status 1 if any failed."""
-    jobs = make_jobs(base, cells, args.seeds, sz, args.run_root, cache, keep=args.keep_runs)
-    print(f"{len(jobs)} runs to do ({len(cells) * len(args.seeds) - len(jobs)} cached)")
+    jobs = make_jobs(base, cells, seeds, sz, args.run_root, cache, keep=args.keep_runs)
+    print(f"{len(jobs)} runs to do ({len(cells) * len(seeds) - len(jobs)} cached)")
     if not jobs:
         return 0
     t0 = time.perf_counter()

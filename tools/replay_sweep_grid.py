@@ -1,6 +1,16 @@
 """The grid of the replay sweep: its cells, the sizing of a run, each run's ``TrainConfig``, the
 cache of finished runs, and ``--plan``'s cost estimate.
 
+A cell's name says what it sets (parsed by ``CELL_RE``; ``parse_cell(cell.name) == cell``)::
+
+    LOSS[-epE][-posP]-yY-nN[-sK][-lrX]      e.g. ppo-y4-n4, asymre-pos50-y4-n16, ppo-y4-n16-s8-lr5e-5
+
+``LOSS``: ``[loss] loss_type``; ``-epE``: ``[optim] ppo_epochs``; ``-posP``: positive-bias
+sampling, ``positive_fraction = P / 100`` of each batch from the freshest ``P / 100 x N`` correct
+rows of the window (``positive_pool``); ``yY``: replay ratio; ``nN``: the FIFO window in rounds;
+``-sK``: ``[replay] max_staleness = K`` policy versions; ``-lrX``: ``[optim] lr`` (without it, the
+sizing's ``--lr``: the names, configs and cache keys of the first sweep's cells are unchanged).
+
 Shared by the runner (``tools/replay_sweep.py``: the command to run, whose docstring describes
 the sweep) and the report (``tools/replay_sweep_report.py``); nothing to run here::
 
@@ -19,7 +29,8 @@ import math
 import os
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +44,7 @@ PAPER_MU = 5.3  # the paper's generation / training cost per rollout for Qwen2.5
 SCHEMA = 1  # bump when what a cached record means changes
 PASSK_SEED = 424_242  # the held-out pass@k prompt set and its sampling seed: one for all runs
 LOSSES = ("ppo", "tis", "asymre", "m2po")
+ASYMRE_DELTA = -0.1  # the paper's delta V for AsymRE (also trainer.algo.loss_config's default)
 
 # The task and model every cell shares, over the base config (examples/arith.toml).
 TASK = {
@@ -55,27 +67,74 @@ PILOT = {
 
 
 # -- the grid -----------------------------------------------------------------------------------
-@dataclass(frozen=True, order=True)
+@dataclass(frozen=True)
 class Cell:
     loss: str
     y: int  # learner passes per generated rollout
     n: int  # FIFO window in rounds' worth of rollouts
     epochs: int = 1  # [optim] ppo_epochs
+    pos: int = 0  # positive-bias sampling: percent of each batch from the freshest correct rows
+    cap: int | None = None  # [replay] max_staleness, in policy versions (learner steps)
+    lr: float | None = None  # [optim] lr (None: the sizing's lr)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.pos <= 100:
+            raise ValueError(f"Cell.pos is a percent in [0, 100], got {self.pos!r}")
+        if self.cap is not None and self.cap < 0:
+            raise ValueError(f"Cell.cap (max_staleness) must be >= 0 or None, got {self.cap!r}")
+        if self.lr is not None and not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"Cell.lr must be a positive number or None, got {self.lr!r}")
 
     @property
     def name(self) -> str:
         ep = f"-ep{self.epochs}" if self.epochs > 1 else ""
-        return f"{self.loss}{ep}-y{self.y}-n{self.n}"
+        pos = f"-pos{self.pos}" if self.pos else ""
+        cap = f"-s{self.cap}" if self.cap is not None else ""
+        lr = f"-lr{lr_name(self.lr)}" if self.lr is not None else ""
+        return f"{self.loss}{ep}{pos}-y{self.y}-n{self.n}{cap}{lr}"
 
     @property
     def onpolicy(self) -> bool:
-        return (self.loss, self.y, self.n, self.epochs) == ("ppo", 1, 1, 1)
+        """Each rollout used once, in its round (at any lr)."""
+        return (self.loss, self.y, self.n, self.epochs, self.pos, self.cap) == (
+            ("ppo", 1, 1, 1, 0, None)
+        )
+
+    @property
+    def plain(self) -> bool:
+        """Clipped PPO over the FIFO buffer alone: one epoch, no positive bias, no cap."""
+        return self.loss == "ppo" and self.epochs == 1 and not self.pos and self.cap is None
+
+    @property
+    def base(self) -> Cell:
+        """This cell at the sizing's lr (the cell a tuned lr belongs to)."""
+        return replace(self, lr=None)
+
+    def at(self, lr: float | None) -> Cell:
+        return replace(self, lr=lr)
 
     def label(self) -> str:
         return f"{self.name} (on-policy)" if self.onpolicy else self.name
 
+    def _key(self) -> tuple:
+        # None sorts first (a plain tuple comparison of None with a number raises).
+        return (self.loss, self.y, self.n, self.epochs, self.pos,
+                -1 if self.cap is None else self.cap, 0.0 if self.lr is None else self.lr)  # fmt: skip
 
-CELL_RE = re.compile(r"^(?P<loss>[a-z0-9]+)(?:-ep(?P<ep>\d+))?-y(?P<y>\d+)-n(?P<n>\d+)$")
+    def __lt__(self, other: Cell) -> bool:
+        return self._key() < other._key()
+
+
+def lr_name(lr: float) -> str:
+    """``lr`` as a name's suffix: the shortest digits that read back as the same float
+    (``2.5e-5``, ``1e-4``)."""
+    return format(Decimal(repr(float(lr))).normalize(), "e")
+
+
+CELL_RE = re.compile(
+    r"^(?P<loss>[a-z0-9]+)(?:-ep(?P<ep>\d+))?(?:-pos(?P<pos>\d+))?-y(?P<y>\d+)-n(?P<n>\d+)"
+    r"(?:-s(?P<cap>\d+))?(?:-lr(?P<lr>\d+(?:\.\d+)?(?:e[-+]?\d+)?))?$"
+)
 
 
 def parse_cell(name: str) -> Cell:
@@ -83,8 +142,13 @@ def parse_cell(name: str) -> Cell:
         return ONPOLICY
     m = CELL_RE.match(name)
     if not m or m["loss"] not in LOSSES:
-        raise ValueError(f"not a cell name: {name!r} (e.g. ppo-y4-n4, ppo-ep4-y8-n4, onpolicy)")
-    return Cell(m["loss"], int(m["y"]), int(m["n"]), int(m["ep"] or 1))
+        raise ValueError(
+            f"not a cell name: {name!r} (e.g. ppo-y4-n4, ppo-ep4-y8-n4, asymre-pos50-y4-n16, "
+            "ppo-y4-n16-s8, ppo-y4-n4-lr5e-5, onpolicy)"
+        )
+    cap = int(m["cap"]) if m["cap"] is not None else None
+    lr = float(m["lr"]) if m["lr"] is not None else None
+    return Cell(m["loss"], int(m["y"]), int(m["n"]), int(m["ep"] or 1), int(m["pos"] or 0), cap, lr)
 
 
 ONPOLICY = Cell("ppo", 1, 1)
@@ -94,6 +158,19 @@ GRID = [Cell("ppo", y, n) for y in (1, 2, 4, 8, 16) for n in (1, 4, 16)] + [
     Cell("m2po", 8, 4),
     Cell("ppo", 8, 4, epochs=4),
 ]
+# The paper's best buffer (issue #30): positive-bias sampling (delta = 25% or 50% of each batch
+# from the freshest delta x N correct rows) with AsymRE and with PPO, at y in {2, 4} and N in
+# {4, 16}; and a staleness cap at y = 4. With a fixed R per round and one policy version per
+# learner step, a cap of K versions keeps the rows of the last K / y to K / y + 1 rounds: K = 8
+# at y = 4 is a 2-3 round horizon, between the grid's n1 and n4.
+PAPER_CELLS = [
+    Cell(loss, y, n, pos=pos)
+    for loss in ("asymre", "ppo")
+    for pos in (25, 50)
+    for y in (2, 4)
+    for n in (4, 16)
+] + [Cell("ppo", 4, 16, cap=8)]
+GROUPS = {"all": GRID, "paper": PAPER_CELLS}
 
 
 @dataclass(frozen=True)
@@ -157,10 +234,22 @@ def build_config(base: dict[str, Any], cell: Cell, seed: int, sz: Sizing, run_ro
         keep_checkpoints=1,
         max_generated_tokens=0,
     )
-    # The FIFO buffer alone: no staleness or use cap (the window bounds both).
+    # The FIFO buffer alone: no staleness or use cap (the window bounds both), unless the cell
+    # sets one; keys are only added when set, so the first sweep's configs hash as before.
     d["replay"] = {"window": cell.n * R, "seed": seed, "priority": "uniform", "diversity": "none"}
+    if cell.pos:
+        # The paper's positive bias: a share delta of each batch from the freshest delta x N
+        # correct rows (reward > 0) of the window, the rest uniform over the window.
+        d["replay"].update(
+            positive_fraction=cell.pos / 100, positive_pool=cell.n * R * cell.pos // 100
+        )
+    if cell.cap is not None:
+        d["replay"]["max_staleness"] = cell.cap
     d["loss"]["loss_type"] = cell.loss
-    d.setdefault("optim", {}).update(lr=sz.lr, ppo_epochs=cell.epochs, mini_batches=1, seed=seed)
+    if cell.loss == "asymre":
+        d["loss"]["asymre_delta"] = ASYMRE_DELTA
+    lr = sz.lr if cell.lr is None else cell.lr
+    d.setdefault("optim", {}).update(lr=lr, ppo_epochs=cell.epochs, mini_batches=1, seed=seed)
     return TrainConfig.from_dict(d)
 
 
@@ -280,6 +369,7 @@ def plan(
     """``--plan``: the sizing, a row per cell (its runs and estimated seconds, the cached
     seeds starred) and the estimated wall time of what is left, phase 2 and an idle machine."""
     cm = cost_model(cache)
+    w = max([16] + [len(c.name) for c in cells])
     lines = [
         f"R = {sz.rollouts_per_round} rollouts per round, B = {sz.batch_size}; budget = compute "
         f"of {sz.budget_rounds} on-policy rounds at mu = {sz.mu_budget}; {sz.evals} evals x "
@@ -289,12 +379,12 @@ def plan(
         f"learner {cm['train_s_per_pass']:.3f} s/pass of 64, overhead {cm['overhead_s']:.0f} "
         f"s/run, warm start {cm['warm_s']:.0f} s (once)",
         "",
-        f"{'cell':<16} {'upr':>4} {'window':>6} {'rounds':>6} {'steps':>5} {'~tokens':>8} "
+        f"{'cell':<{w}} {'upr':>4} {'window':>6} {'rounds':>6} {'steps':>5} {'~tokens':>8} "
         f"{'est s':>6}  seeds (cached *)",
     ]
     pending: list[float] = []
     for cell in cells:
-        lines.append(_plan_row(cell, seeds, sz, cache, hashes, cm, pending))
+        lines.append(_plan_row(cell, seeds, sz, cache, hashes, cm, pending, w))
     warm_s = 0.0 if cache.warm.get("spec", {}).get("steps") == sz.warm_steps else cm["warm_s"]
     wall = warm_s + schedule(pending, workers)
     total = len(cells) * len(seeds)
@@ -314,6 +404,7 @@ def _plan_row(
     hashes: dict,
     cm: dict[str, float],
     pending: list[float],
+    w: int = 16,
 ) -> str:
     """``cell``'s line of the plan; the estimate of each of its uncached runs goes to
     ``pending``."""
@@ -327,7 +418,7 @@ def _plan_row(
     R, upr, rounds = sz.rollouts_per_round, sz.updates_per_round(cell), sz.rounds(cell)
     # ~27 tokens per completion: the warm-started model's length (module docstring).
     return (
-        f"{cell.name:<16} {upr:>4} {cell.n * R:>6} {rounds:>6} {rounds * upr:>5} "
+        f"{cell.name:<{w}} {upr:>4} {cell.n * R:>6} {rounds:>6} {rounds * upr:>5} "
         f"{rounds * R * 27:>8,} {est:>6.0f}  {' '.join(marks)}"
     )
 

@@ -1,7 +1,9 @@
 """The analysis of the replay sweep (``tools/replay_sweep.py``): from the cached runs, each
 run's compute and generated tokens to the target accuracy, the bootstrap intervals over seeds,
 the best replay cell's saving vs on-policy paired by seed and its sensitivity to the target,
-the table, the figures and the Markdown block of ``docs/results.md``.
+the table, the figures and the Markdown block of ``docs/results.md``. The cells run at the
+sizing's lr make the tables here; the cells with a tuned lr (``-lrX``) make the section of
+``tools/replay_sweep_tune.py``, which this block includes after them.
 
 Run it through the sweep's command (the report's command line is the sweep's)::
 
@@ -294,12 +296,9 @@ def plot_panels(summ: dict[Cell, dict[str, Any]], path: Path, target: float) -> 
 def _panel(ax: Any, summ: dict[Cell, dict[str, Any]], key: str) -> None:
     """``key``'s panel: a line per N of the ppo cells, a marker per loss variant (nudged
     right of its y so the error bars do not overlap), the on-policy band."""
-    variants = [c for c in summ if not (c.loss == "ppo" and c.epochs == 1)]
-    for i, n in enumerate(sorted({c.n for c in summ if c.loss == "ppo" and c.epochs == 1})):
-        cells = sorted(
-            (c for c in summ if c.loss == "ppo" and c.epochs == 1 and c.n == n),
-            key=lambda c: c.y,
-        )
+    variants = [c for c in summ if not c.plain]
+    for i, n in enumerate(sorted({c.n for c in summ if c.plain})):
+        cells = sorted((c for c in summ if c.plain and c.n == n), key=lambda c: c.y)
         xs = [c.y * (1 + 0.04 * (i - 1)) for c in cells]
         st = [summ[c]["stats"][key] for c in cells]
         ax.errorbar(
@@ -388,21 +387,43 @@ def report(
     command: str,
     n_boot: int = 10_000,
     pilot: bool = False,
+    tuned: list[str] = (),
 ) -> str:
-    """Write the sweep's block of ``out`` (tables, savings, figures) and return it."""
+    """Write the sweep's block of ``out`` (tables, savings, figures; then the ``tuned``
+    section's lines) and return it."""
     records = cache.records(hashes)
     if not records:
         raise SystemExit(
             "no cached runs match the current configuration: nothing to report (pass the "
             "sizing options the sweep ran with, e.g. --budget-rounds)"
         )
-    mu = measured_mu(records)
+    # The cells at the sizing's lr; the tuned cells are the tuned section's.
+    plain = {c: runs for c, runs in records.items() if c.lr is None}
+    mu = measured_mu(plain or records)
+    lines = _intro(cache, records, sz, target=target, mu=mu, command=command, pilot=pilot)
+    if plain:
+        lines += _untuned(plain, sz, out, target=target, mu=mu, n_boot=n_boot, pilot=pilot)
+    block = "\n".join(lines + list(tuned))
+    _write_block(out, block)
+    return block
+
+
+def _untuned(
+    records: dict[Cell, dict[int, dict]],
+    sz: Sizing,
+    out: Path,
+    *,
+    target: float,
+    mu: float,
+    n_boot: int,
+    pilot: bool,
+) -> list[str]:
+    """The tables, savings and figures of the cells run at the sizing's lr."""
     summ = summarise_cells(records, target, mu, n_boot)
     stem = out.stem + ("_pilot" if pilot else "_sweep")
     panels_png = out.with_name(f"{stem}_panels.png")
     curves_png = out.with_name(f"{stem}_curves.png")
-    lines = _intro(cache, records, sz, target=target, mu=mu, command=command, pilot=pilot)
-    lines += [
+    lines = [
         "Mean [95% bootstrap interval over seeds]; to-target columns average the seeds that "
         "reached the target (`reached`). Compute unit: one learner pass over one rollout.",
         "",
@@ -421,9 +442,7 @@ def report(
     ]
     plot_panels(summ, panels_png, target)
     plot_curves(records, _curve_cells(summ), curves_png, mu, target)
-    block = "\n".join(lines)
-    _write_block(out, block)
-    return block
+    return lines
 
 
 def _intro(
@@ -441,7 +460,9 @@ def _intro(
     runs = sum(len(r) for r in records.values())
     wall = sum(s.get("seconds", 0.0) for s in cache.sessions)
     run_s = [r["wall_s"] for rr in records.values() for r in rr.values()]
-    all_mu = [r["mu"] for rr in records.values() for r in rr.values()]
+    # mu's range over the runs its median is over: those at the sizing's lr, if any.
+    plain = {c: rr for c, rr in records.items() if c.lr is None} or records
+    all_mu = [r["mu"] for rr in plain.values() for r in rr.values()]
     lines = [
         "Runs: "
         + "; ".join(
@@ -495,7 +516,7 @@ def _curve_cells(summ: dict[Cell, dict[str, Any]]) -> list[Cell]:
     """The reward-vs-compute figure's cells: on-policy, the best replay cells, and the y axis
     at N = 4x (the losses' buffer); the rest would crowd it."""
     shown = [ONPOLICY] + best_cells(summ, "compute_to_target@measured", 3)
-    shown += [c for c in summ if c.n == 4 and c.loss == "ppo" and c.epochs == 1]
+    shown += [c for c in summ if c.n == 4 and c.plain]
     return list(dict.fromkeys(c for c in shown if c in summ))
 
 

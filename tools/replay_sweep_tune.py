@@ -1,0 +1,414 @@
+"""The tuned protocol of the replay sweep (issue #30): each cell's learning rate is chosen on
+tuning seeds, the cell is then run at that lr on fresh seeds, and only the fresh seeds report
+the saving, so the saving is not picked on the runs that report it.
+
+Run it through the sweep's command (``tools/replay_sweep.py``)::
+
+    python tools/replay_sweep.py --tune --cells paper --plan          # runs and time of both phases
+    python tools/replay_sweep.py --tune --cells paper --jobs 2        # tuning phase
+    python tools/replay_sweep.py --evaluate --cells paper --jobs 2    # evaluation phase
+    python tools/replay_sweep.py --report                             # docs/results.md
+
+``--tune`` runs every chosen cell, and on-policy (tuned the same way: it is the baseline), at
+every ``--lr-grid`` lr (default 2.5e-5 5e-5 1e-4 2e-4: 4x below to 2x above the first sweep's
+1e-4) on ``--tune-seeds`` (default 100 101). ``--evaluate`` runs each of those cells at its
+chosen lr on ``--fresh-seeds`` (default 200-204; at least 5, none of them a tuning seed:
+overlap is refused). The seeds of the first sweep (0-7) are in neither set: its lr was chosen
+on on-policy seeds 0-2.
+
+**The lr choice** (:func:`choose_lr`), per cell, from its tuning-seed runs only, comparing the
+lrs by, in order:
+
+1. the number of tuning seeds that reached the target (an lr that reached it on every seed
+   beats one whose mean counts only its lucky seed);
+2. the mean compute to target over those seeds, at the budget's mu (``--mu-budget``, fixed
+   before the runs; within one cell uses ~ y x generated rollouts at every eval, so the
+   ranking hardly depends on mu);
+3. when no seed reached the target at any lr: the highest mean final held-out reward;
+4. an exact tie: the lower lr (the smaller step is the safer one on new seeds).
+
+A cell with a tuning run missing (any lr, any tuning seed) gets no lr and is not evaluated.
+
+**The saving** (:func:`fresh_savings`): at each mu (the median over the tuning runs, and the
+paper's 5.3), the best tuned replay cell is the one with the lowest mean compute to target on
+the tuning seeds at its chosen lr, among those that reached it on every tuning seed; its
+saving vs tuned on-policy, ``1 - mean(replay) / mean(on-policy)`` of compute to target, is
+computed on the fresh seeds only, paired by seed, with a bootstrap interval
+(``replay_sweep_report.saving``). Compute is ``uses + mu x generated rollouts``
+(``replay_sweep_report.compute_of``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from tools.replay_sweep_grid import ONPOLICY, PAPER_MU, Cell, lr_name
+from tools.replay_sweep_report import (
+    bootstrap_mean,
+    compute_of,
+    fmt_ci,
+    fmt_pct,
+    hit,
+    measured_mu,
+    saving,
+)
+
+DEFAULT_LR_GRID = (2.5e-5, 5e-5, 1e-4, 2e-4)
+TUNE_SEEDS = (100, 101)
+FRESH_SEEDS = (200, 201, 202, 203, 204)
+MIN_FRESH = 5
+
+Records = dict[Cell, dict[int, dict]]
+
+
+def check_seeds(tune_seeds: list[int], fresh_seeds: list[int], min_fresh: int = MIN_FRESH) -> None:
+    """Refuse tuning and fresh seeds that overlap, or too few fresh seeds (``ValueError``)."""
+    both = sorted(set(tune_seeds) & set(fresh_seeds))
+    if both:
+        raise ValueError(
+            f"--tune-seeds and --fresh-seeds share seed(s) {' '.join(map(str, both))}: the lr "
+            "would be chosen on runs that report the saving; give disjoint seeds"
+        )
+    if not tune_seeds:
+        raise ValueError("--tune-seeds is empty: the lr is chosen on them")
+    if len(set(fresh_seeds)) < min_fresh:
+        raise ValueError(
+            f"--fresh-seeds has {len(set(fresh_seeds))} seed(s), the protocol needs >= "
+            f"{min_fresh} (--pilot allows fewer)"
+        )
+
+
+# -- the lr choice ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LrPoint:
+    """One lr of one cell on the tuning seeds: where each seed first reached the target."""
+
+    lr: float
+    hits: dict[int, list[float] | None]  # seed -> its curve point at the target (None: never)
+    final: dict[int, float]  # seed -> final held-out reward (the trainer's eval)
+
+    @property
+    def reached(self) -> int:
+        return sum(h is not None for h in self.hits.values())
+
+    def per_seed(self, mu: float) -> dict[int, float]:
+        return {s: compute_of(h, mu) if h else math.nan for s, h in self.hits.items()}
+
+    def compute(self, mu: float) -> float:
+        """Mean compute to target over the seeds that reached it (NaN: none did)."""
+        got = [v for v in self.per_seed(mu).values() if not math.isnan(v)]
+        return float(np.mean(got)) if got else math.nan
+
+    def rank(self, mu: float) -> tuple:
+        c = self.compute(mu)
+        final = float(np.mean(list(self.final.values())))
+        return (-self.reached, c if not math.isnan(c) else math.inf, -final, self.lr)
+
+
+@dataclass(frozen=True)
+class LrChoice:
+    """A cell's tuning: its points in grid order, the runs missing, and the chosen lr (None
+    when a tuning run is missing)."""
+
+    cell: Cell  # at the sizing's lr (``Cell.base``)
+    points: tuple[LrPoint, ...]
+    missing: tuple[str, ...]
+    lr: float | None
+
+    @property
+    def chosen(self) -> LrPoint | None:
+        return next((p for p in self.points if p.lr == self.lr), None)
+
+    @property
+    def tuned(self) -> Cell | None:
+        return self.cell.at(self.lr) if self.lr is not None else None
+
+
+def choose_lr(
+    records: Records,
+    cell: Cell,
+    lr_grid: list[float],
+    tune_seeds: list[int],
+    target: float,
+    mu: float,
+) -> LrChoice:
+    """``cell``'s lr from its runs on ``tune_seeds`` only (the rule: module docstring); other
+    seeds in ``records`` are not read."""
+    base = cell.base
+    points, missing = [], []
+    for lr in lr_grid:
+        runs = records.get(base.at(lr), {})
+        lost = [s for s in tune_seeds if s not in runs]
+        if lost:
+            missing.append(f"lr {lr_name(lr)} seed {' '.join(map(str, lost))}")
+            continue
+        hits = {s: hit(runs[s]["curve"], target) for s in tune_seeds}
+        points.append(LrPoint(lr, hits, {s: runs[s]["final_reward"] for s in tune_seeds}))
+    lr = None if missing or not points else min(points, key=lambda p: p.rank(mu)).lr
+    return LrChoice(base, tuple(points), tuple(missing), lr)
+
+
+def choose_all(
+    records: Records,
+    lr_grid: list[float],
+    tune_seeds: list[int],
+    target: float,
+    mu: float,
+    cells: list[Cell] | None = None,
+) -> dict[Cell, LrChoice]:
+    """:func:`choose_lr` of ``cells`` (default: every cell with a tuned run in ``records``)."""
+    bases = cells if cells is not None else sorted({c.base for c in records if c.lr is not None})
+    return {c.base: choose_lr(records, c, lr_grid, tune_seeds, target, mu) for c in bases}
+
+
+def best_tuned(choices: dict[Cell, LrChoice], mu: float) -> LrChoice | None:
+    """The replay cell with the lowest mean compute to target at its chosen lr on the tuning
+    seeds, among those that reached it on every tuning seed."""
+    ok = [
+        ch
+        for ch in choices.values()
+        if ch.chosen and not ch.cell.onpolicy and ch.chosen.reached == len(ch.chosen.hits)
+    ]
+    return min(ok, key=lambda ch: (ch.chosen.compute(mu), ch.cell), default=None)
+
+
+# -- fresh seeds --------------------------------------------------------------------------------
+def to_target(
+    records: Records, cell: Cell, seeds: list[int], target: float, mu: float, tokens: bool = False
+) -> dict[int, float]:
+    """Per seed of ``seeds`` that ``cell`` ran: compute (or generated tokens) to target, NaN
+    where it was not reached."""
+    out = {}
+    for s, rec in records.get(cell, {}).items():
+        if s in seeds:
+            h = hit(rec["curve"], target)
+            out[s] = math.nan if h is None else (h[1] if tokens else compute_of(h, mu))
+    return out
+
+
+def fresh_savings(
+    records: Records,
+    choices: dict[Cell, LrChoice],
+    fresh_seeds: list[int],
+    target: float,
+    mus: dict[str, float],
+    n_boot: int = 10_000,
+    best: dict[str, LrChoice | None] | None = None,
+) -> list[dict[str, Any]]:
+    """Per mu (``{"measured": mu, "paper": 5.3}``): the best tuned replay cell (picked on the
+    tuning seeds, or given in ``best``) and its compute and token savings vs tuned on-policy
+    on ``fresh_seeds``, paired by seed."""
+    on = choices.get(ONPOLICY)
+    out = []
+    for tag, mu in mus.items():
+        b = best[tag] if best is not None else best_tuned(choices, mu)
+        if on is None or on.tuned is None or b is None:
+            out.append({"mu": tag, "cell": None, "onpolicy": on.tuned if on else None})
+            continue
+        out.append(
+            {
+                "mu": tag,
+                "cell": b.tuned,
+                "onpolicy": on.tuned,
+                "compute": saving(
+                    to_target(records, on.tuned, fresh_seeds, target, mu),
+                    to_target(records, b.tuned, fresh_seeds, target, mu),
+                    n_boot,
+                ),
+                "tokens": saving(
+                    to_target(records, on.tuned, fresh_seeds, target, mu, tokens=True),
+                    to_target(records, b.tuned, fresh_seeds, target, mu, tokens=True),
+                    n_boot,
+                ),
+            }
+        )
+    return out
+
+
+# -- tables -------------------------------------------------------------------------------------
+def lr_table_rows(
+    choices: dict[Cell, LrChoice], lr_grid: list[float], mu: float
+) -> list[list[str]]:
+    """The compute-to-target vs lr table on the tuning seeds (the paper's Figure 4 as rows): a
+    row per cell (mean compute to target over the seeds that reached it, ``(reached/seeds)``,
+    the chosen lr in bold, ``n/a`` for a missing run), then the replay frontier: at each lr
+    the replay cell with the lowest mean among those that reached the target on every seed."""
+    rows = []
+    for cell, ch in choices.items():
+        by_lr = {p.lr: p for p in ch.points}
+        cols = []
+        for lr in lr_grid:
+            p = by_lr.get(lr)
+            text = "n/a" if p is None else _point(p, mu)
+            cols.append(f"**{text}**" if p is not None and lr == ch.lr else text)
+        chosen = lr_name(ch.lr) if ch.lr is not None else "incomplete"
+        rows.append([cell.label(), *cols, chosen])
+    front = []
+    for lr in lr_grid:
+        ok = [
+            (p.compute(mu), c)
+            for c, ch in choices.items()
+            if not c.onpolicy
+            for p in ch.points
+            if p.lr == lr and p.reached == len(p.hits)
+        ]
+        front.append(f"{min(ok)[0]:,.0f} {min(ok)[1].name}" if ok else "-")
+    b = best_tuned(choices, mu)
+    rows.append(["replay frontier", *front, f"{b.cell.name} at {lr_name(b.lr)}" if b else "-"])
+    return rows
+
+
+def _point(p: LrPoint, mu: float) -> str:
+    c = p.compute(mu)
+    return f"{'-' if math.isnan(c) else format(c, ',.0f')} ({p.reached}/{len(p.hits)})"
+
+
+def lr_table(choices: dict[Cell, LrChoice], lr_grid: list[float], mu: float) -> str:
+    head = ["cell", *(f"lr {lr_name(lr)}" for lr in lr_grid), "chosen lr"]
+    rows = [head, ["---"] * len(head), *lr_table_rows(choices, lr_grid, mu)]
+    return "\n".join("| " + " | ".join(r) + " |" for r in rows) + "\n"
+
+
+def fresh_table(
+    records: Records,
+    choices: dict[Cell, LrChoice],
+    fresh_seeds: list[int],
+    target: float,
+    mus: dict[str, float],
+    n_boot: int,
+) -> str:
+    """A row per tuned cell on the fresh seeds: reached, mean compute to target [interval] and
+    saving vs tuned on-policy (paired by seed) at each mu."""
+    on = choices.get(ONPOLICY)
+    head = ["cell at its lr", "fresh seeds reached"]
+    for mu in mus.values():
+        head += [f"compute to target (mu = {mu:.2f})", f"saving vs on-policy (mu = {mu:.2f})"]
+    rows = [head, ["---"] * len(head)]
+    for ch in choices.values():
+        if ch.tuned is None:
+            continue
+        got = to_target(records, ch.tuned, fresh_seeds, target, 1.0)
+        reached = sum(not math.isnan(v) for v in got.values())
+        row = [ch.tuned.label(), f"{reached}/{len(got)}"]
+        for mu in mus.values():
+            mine = to_target(records, ch.tuned, fresh_seeds, target, mu)
+            row.append(fmt_ci(bootstrap_mean(list(mine.values()), n_boot), ",.0f"))
+            if on is None or on.tuned is None or ch.cell.onpolicy:
+                row.append("-")
+                continue
+            base = to_target(records, on.tuned, fresh_seeds, target, mu)
+            row.append(fmt_pct(saving(base, mine, n_boot)))
+        rows.append(row)
+    return "\n".join("| " + " | ".join(r) + " |" for r in rows) + "\n"
+
+
+# -- the report's section -----------------------------------------------------------------------
+def tuning_mu(records: Records, tune_seeds: list[int]) -> float:
+    """The measured mu of the tuned protocol: the median over the tuning runs only (fixed
+    before the fresh seeds ran)."""
+    tuned = {c: {s: r for s, r in runs.items() if s in tune_seeds} for c, runs in records.items()}
+    return measured_mu({c: runs for c, runs in tuned.items() if c.lr is not None})
+
+
+def tuned_section(
+    records: Records,
+    *,
+    lr_grid: list[float],
+    tune_seeds: list[int],
+    fresh_seeds: list[int],
+    target: float,
+    choice_mu: float,
+    n_boot: int = 10_000,
+) -> list[str]:
+    """The report's lines on the tuned cells (those with an lr in their name): the
+    compute-vs-lr tables, the fresh-seed table, the best tuned replay cell's saving at both
+    mu and its sensitivity to the target."""
+    mu = tuning_mu(records, tune_seeds)
+    mus = {"measured": mu, "paper": PAPER_MU}
+    choices = choose_all(records, lr_grid, tune_seeds, target, choice_mu)
+    other = sorted(
+        {s for c, runs in records.items() if c.lr is not None for s in runs}
+        - set(tune_seeds)
+        - set(fresh_seeds)
+    )
+    lines = [
+        "### Tuned lr per cell, fresh seeds (issue #30)",
+        "",
+        f"Each cell (and on-policy) ran at lr {', '.join(lr_name(x) for x in lr_grid)} on the "
+        f"tuning seeds {', '.join(map(str, tune_seeds))}; its lr was chosen on those runs only "
+        f"(most seeds reaching {target}, then lowest mean compute to target at mu = "
+        f"{choice_mu}, then highest final reward, then the lower lr), and it ran at that lr on "
+        f"the fresh seeds {', '.join(map(str, fresh_seeds))}. Measured mu: **{mu:.2f}** (median "
+        "over the tuning runs). The best replay cell at each mu is picked on the tuning seeds; "
+        "the savings are on the fresh seeds only.",
+        "",
+    ]
+    incomplete = [f"{c.name} ({'; '.join(ch.missing)})" for c, ch in choices.items() if ch.missing]
+    if incomplete:
+        lines += [f"Tuning incomplete (no lr chosen): {', '.join(incomplete)}.", ""]
+    if other:
+        lines += [f"Left out: tuned-cell runs on seeds {', '.join(map(str, other))}.", ""]
+    for tag, m in mus.items():
+        what = "measured" if tag == "measured" else "the paper's"
+        lines += [
+            f"Compute to target vs lr on the tuning seeds, at {what} mu = {m:.2f} (mean over "
+            "the seeds that reached it, reached/seeds; bold: the chosen lr):",
+            "",
+            lr_table(choices, lr_grid, m),
+        ]
+    lines += [
+        "On the fresh seeds, at the chosen lr (mean [95% bootstrap interval]; savings paired "
+        "by seed):",
+        "",
+        fresh_table(records, choices, fresh_seeds, target, mus, n_boot),
+    ]
+    best = {tag: best_tuned(choices, m) for tag, m in mus.items()}
+    lines += _saving_lines(fresh_savings(records, choices, fresh_seeds, target, mus, n_boot), mus)
+    lines += ["", _sensitivity(records, choices, fresh_seeds, target, mus, best, n_boot)]
+    return lines
+
+
+def _saving_lines(found: list[dict[str, Any]], mus: dict[str, float]) -> list[str]:
+    lines = []
+    for b in found:
+        tag = f"mu = {mus[b['mu']]:.2f}" + (" (measured)" if b["mu"] == "measured" else "")
+        if b["onpolicy"] is None:
+            lines.append(f"* {tag}: on-policy has no tuned lr (run --tune): no saving to state.")
+            continue
+        if b["cell"] is None:
+            lines.append(f"* {tag}: no tuned replay cell reached the target on every tuning seed.")
+            continue
+        lines.append(
+            f"* {tag}: best tuned replay cell **{b['cell'].name}** (vs {b['onpolicy'].name}); "
+            f"compute to target on the fresh seeds: saving {fmt_pct(b['compute'])}; "
+            f"generated tokens: saving {fmt_pct(b['tokens'])}."
+        )
+    return lines
+
+
+def _sensitivity(
+    records: Records,
+    choices: dict[Cell, LrChoice],
+    fresh_seeds: list[int],
+    target: float,
+    mus: dict[str, float],
+    best: dict[str, LrChoice | None],
+    n_boot: int,
+) -> str:
+    """The fresh-seed saving at targets around ``target``, with the lrs and the best cells
+    kept as chosen at ``target``."""
+    rows = [
+        "| target (lrs and cells as chosen at "
+        f"{target}) | best at measured mu: saving | best at mu = {PAPER_MU}: saving |",
+        "|---|---|---|",
+    ]
+    for t in (target - 0.04, target - 0.02, target, target + 0.02):
+        cols = []
+        for b in fresh_savings(records, choices, fresh_seeds, t, mus, n_boot, best=best):
+            cols.append(f"{b['cell'].name}: {fmt_pct(b['compute'])}" if b["cell"] else "none")
+        rows.append(f"| {t:.2f} | " + " | ".join(cols) + " |")
+    return "\n".join(rows) + "\n"
