@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from helpers import ROOT, require_vllm
 
 from rolloutstore.cli.base import Parser, run_main
@@ -29,7 +30,16 @@ def _parser_running(func):
     return build
 
 
-def test_sigterm_runs_the_commands_cleanup_and_exits_143(capsys):
+@pytest.fixture
+def default_sigterm():
+    """SIGTERM at its default disposition, as in a fresh CLI process (earlier tests in this
+    process, e.g. a Ray driver, may have set a handler of their own)."""
+    old = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    yield
+    signal.signal(signal.SIGTERM, old)
+
+
+def test_sigterm_runs_the_commands_cleanup_and_exits_143(capsys, default_sigterm):
     cleaned = []
 
     def command(args):
