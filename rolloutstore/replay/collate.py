@@ -125,62 +125,25 @@ def _token_tensors(
     else:
         m_vals = np.ones(len(c_vals), np.float32)
     lengths = p_len + c_len
-    n = len(adv)
-
-    # Flat destination of every token: row * width + column, prompts first, then completions.
     # At least one column, so that an empty shard (world_size > rows) or a row without
     # tokens (stores from before append refused them) gives empty tensors, never a crash.
     width = max(int(lengths.sum()) if pack else int(lengths.max(initial=0)), 1)
-    if n and (p_len > 0).all():
-        out = _by_masks(p_vals, c_vals, l_vals, m_vals, p_len, c_len, adv, width, pack)
-        return out, lengths, int(np.count_nonzero(m_vals))
-    starts = np.zeros(n, np.int64)
-    if pack:
-        np.cumsum(lengths[:-1], out=starts[1:])
-    else:
-        starts = np.arange(n, dtype=np.int64) * width
-    # Each sequence's tokens are contiguous in the flat values and at its destination, so
-    # a destination is the value's position plus one shift per sequence (one np.repeat).
-    p_start, c_start = p_off[:-1] - p_off[0], c_off[:-1] - c_off[0]
-    p_dst = np.arange(len(p_vals)) + np.repeat(starts - p_start, p_len)
-    c_shift = starts + p_len - c_start
-    c_dst = np.arange(len(c_vals)) + np.repeat(c_shift, c_len)
-    rows_out = 1 if pack else n
-    input_ids = np.zeros(rows_out * width, np.int64)
-    input_ids[p_dst] = p_vals
-    input_ids[c_dst] = c_vals
-    # Targets: column t scores token t+1, so a completion token at column c sits at c-1;
-    # in the (rows, width - 1) target grid, row r's flat offset is r * (width - 1).
-    t_shift = c_shift - 1 - (0 if pack else np.arange(n))
-    t_dst = np.arange(len(c_vals)) + np.repeat(t_shift, c_len)
     adv_vals = np.repeat(adv, c_len)
-    if (p_len == 0).any():
+    unscored = None
+    if (p_len == 0).any():  # stores from before append refused empty prompts
         # A completion token with no token before it (empty prompt) cannot be scored.
-        scored = ~(np.repeat(p_len == 0, c_len) & (_segment_index(c_len)[1] == 0))
-        t_dst, l_vals, m_vals = t_dst[scored], l_vals[scored], m_vals[scored]
-        adv_vals = adv_vals[scored]
-    size = rows_out * (width - 1)
-    loss_mask = np.zeros(size, np.float32)
-    blp = np.zeros(size, np.float32)
-    adv_tok = np.zeros(size, np.float32)
-    loss_mask[t_dst] = m_vals
-    blp[t_dst] = l_vals
-    adv_tok[t_dst] = adv_vals
-    shape, tshape = (rows_out, width), (rows_out, width - 1)
-    out: dict[str, Any] = {
-        "input_ids": torch.from_numpy(input_ids.reshape(shape)),
-        "loss_mask": torch.from_numpy(loss_mask.reshape(tshape)),
-        "behavior_logprobs": torch.from_numpy(blp.reshape(tshape)),
-        "advantages": torch.from_numpy(adv_tok.reshape(tshape)),
-    }
-    out.update(_positions(lengths, width, pack))
+        first = np.repeat(p_len == 0, c_len) & (_segment_index(c_len)[1] == 0)
+        l_vals, m_vals, adv_vals = l_vals[~first], m_vals[~first], adv_vals[~first]
+        unscored = (p_len == 0) & (c_len > 0)
+    out = _layout(p_vals, c_vals, (m_vals, l_vals, adv_vals), p_len, c_len, width, pack, unscored)
     return out, lengths, int(np.count_nonzero(m_vals))
 
 
-def _by_masks(p_vals, c_vals, l_vals, m_vals, p_len, c_len, adv, width, pack):
-    """The fast layout when every row has a prompt token (append refuses empty lists): one
-    small code per grid cell (0 prompt, 1 completion, 2 padding) from one ``np.repeat``, and
-    boolean-mask writes, which keep the values' order, instead of int64 index arrays."""
+def _layout(p_vals, c_vals, targets, p_len, c_len, width, pack, unscored):
+    """The padded or packed grid: one small code per cell (0 prompt, 1 completion, 2 padding)
+    from one ``np.repeat``, and boolean-mask writes, which keep the values' order. ``targets``
+    (loss mask, log-probs, advantages) hold one value per scored completion token, in order;
+    ``unscored``: rows whose first completion token has no token before it (None: none)."""
     n = len(p_len)
     rows_out = 1 if pack else n
     runs = np.stack([p_len, c_len, np.zeros(n, np.int64) if pack else width - p_len - c_len], 1)
@@ -192,19 +155,19 @@ def _by_masks(p_vals, c_vals, l_vals, m_vals, p_len, c_len, adv, width, pack):
     input_ids[code == 0] = p_vals
     input_ids[code == 1] = c_vals
     # Column t of the targets scores token t+1: a completion token's cell, one to the left.
+    # A padded row's first cell has no column; a packed row's would score the row before's
+    # last token, so an empty-prompt row's first completion token is taken out there.
     scored = code[:, 1:] == 1
-    loss_mask = np.zeros((rows_out, width - 1), np.float32)
-    blp = np.zeros((rows_out, width - 1), np.float32)
-    adv_tok = np.zeros((rows_out, width - 1), np.float32)
-    loss_mask[scored] = m_vals
-    blp[scored] = l_vals
-    adv_tok[scored] = np.repeat(adv, c_len)
-    out: dict[str, Any] = {
-        "input_ids": torch.from_numpy(input_ids),
-        "loss_mask": torch.from_numpy(loss_mask),
-        "behavior_logprobs": torch.from_numpy(blp),
-        "advantages": torch.from_numpy(adv_tok),
-    }
+    if pack and unscored is not None:
+        starts = np.cumsum(p_len + c_len) - (p_len + c_len)
+        scored[0, starts[unscored & (starts > 0)] - 1] = False
+    grids = []
+    for values in targets:
+        grid = np.zeros((rows_out, width - 1), np.float32)
+        grid[scored] = values
+        grids.append(torch.from_numpy(grid))
+    out: dict[str, Any] = {"input_ids": torch.from_numpy(input_ids)}
+    out.update(zip(("loss_mask", "behavior_logprobs", "advantages"), grids, strict=True))
     out.update(_positions(p_len + c_len, width, pack))
     return out
 
