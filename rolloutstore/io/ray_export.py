@@ -89,12 +89,10 @@ def export_ray(
 
 
 def _through_view(block: pa.Table, view: str, schema: pa.Schema) -> pa.Table:
-    import duckdb
+    from rolloutstore.query.sql import connect  # the locked-down connection every query uses
 
-    con = duckdb.connect()
+    con = connect({"rollouts_stored": block}, rollouts_view=view)
     try:
-        con.register("rollouts_stored", block)
-        con.execute(view)
         names = ", ".join(f'"{n}"' for n in schema.names)
         return con.sql(f"SELECT {names} FROM rollouts").to_arrow_table().cast(schema)
     finally:
