@@ -28,7 +28,13 @@ from trainer.config import (
 from trainer.errors import ConfigError
 from trainer.rollout.pipeline import RoundIds, generate_rollouts, resolve_backend
 from trainer.rollout.policy import actor_policy
-from trainer.rollout.weights import fetch_weights, latest_weights, read_text, write_text
+from trainer.rollout.weights import (
+    fetch_weights,
+    is_remote,
+    latest_weights,
+    read_text,
+    write_text,
+)
 from trainer.run.faults import actor_crash
 from trainer.run.resume import effective_config
 
@@ -146,8 +152,8 @@ def run_actor(
     store = RolloutStore.open(store_uri, storage_options=options)
     state_path = state_dir / f"a{actor_id}.json"
     state_path.parent.mkdir(parents=True, exist_ok=True)
-    shared = _shared_state(weights_dir, options) if state_beside_weights else None
-    rnd = _next_round(state_path, shared, actor_id)
+    shared = _actors_dir(weights_dir) if state_beside_weights else None
+    rnd = _next_round(state_path, shared, actor_id, options)
     backend = resolve_backend(g.backend)
     # Learner and actors share the CPU cores ([run] threads: by default an even share each);
     # a vLLM CPU engine binds its own block of them (actor k the k+1-th, the learner's first).
@@ -197,24 +203,24 @@ def run_actor(
             done_at_version += 1
             _round_done(state_path, log_path, summary, actor_id, rnd, version)
             if shared is not None:
-                write_text(shared[0], f"a{actor_id}.json", json.dumps({"round": rnd}), shared[1])
+                write_text(shared, f"a{actor_id}.json", json.dumps({"round": rnd}), options)
     finally:
         policy.close()
     return rounds
 
 
-def _shared_state(weights_dir, options) -> tuple[str | Path, dict | None]:
-    """(location, storage options) of the actors' next rounds beside the weights."""
-    actors = f"{str(weights_dir).rstrip('/')}/actors" if "://" in str(weights_dir) else None
-    return (actors or Path(weights_dir) / "actors", options)
+def _actors_dir(weights_dir: str | Path) -> str | Path:
+    """Where the actors' next rounds are kept beside the weights (a folder or a URI)."""
+    root = str(weights_dir)
+    return f"{root.rstrip('/')}/actors" if is_remote(root) else Path(root) / "actors"
 
 
-def _next_round(state_path: Path, shared: tuple | None, actor_id: int) -> int:
+def _next_round(state_path: Path, shared: str | Path | None, actor_id: int, options) -> int:
     """The round this actor starts at: the later of its local record and, with ``shared``,
     the one beside the weights (rounds only move forward)."""
     rnd = int(_read_json(state_path).get("round", 0))
     if shared is not None:
-        text = read_text(shared[0], f"a{actor_id}.json", shared[1])
+        text = read_text(shared, f"a{actor_id}.json", options)
         rnd = max(rnd, int(json.loads(text)["round"]) if text else 0)
     return rnd
 
