@@ -59,12 +59,9 @@ def run_main(
             raise
         print("error: terminated (SIGTERM)", file=sys.stderr)
         return 143
-    except (KeyboardInterrupt, QueryInterrupted) as exc:
+    except (KeyboardInterrupt, QueryInterrupted):
         if debug:
             raise
-        if isinstance(exc.__context__, Terminated) or isinstance(exc.__cause__, Terminated):
-            print("error: terminated (SIGTERM)", file=sys.stderr)
-            return 143
         print(f"error: {interrupted}", file=sys.stderr)
         return 130
     except Exception as exc:

@@ -79,7 +79,14 @@ def _cpu_of(pid: int) -> float:
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="needs /proc")
-def test_sigint_stops_a_running_query_promptly(store):
+@pytest.mark.parametrize(
+    ("sig", "code", "line"),
+    [
+        (signal.SIGINT, 130, "error: interrupted"),
+        (signal.SIGTERM, 143, "error: terminated (SIGTERM)"),
+    ],
+)
+def test_sigint_or_sigterm_stops_a_running_query_promptly(store, sig, code, line):
     cmd = [sys.executable, "-m", "rolloutstore", "sql", store.uri]
     before = _cpu_of_children()
     subprocess.run([*cmd, "SELECT 1"], capture_output=True, check=True, timeout=120)
@@ -94,16 +101,16 @@ def test_sigint_stops_a_running_query_promptly(store):
             assert time.monotonic() < deadline, "the query never started"
             time.sleep(0.1)
         sent = time.monotonic()
-        p.send_signal(signal.SIGINT)
+        p.send_signal(sig)
         _, err = p.communicate(timeout=10)  # failure bound, not a speed claim
         latency = time.monotonic() - sent
     finally:
         if p.poll() is None:
             p.kill()
             p.wait()
-    print(f"exit {latency:.2f} s after SIGINT")
-    assert p.returncode == 130, err
-    assert err.strip().splitlines() == ["error: interrupted"]
+    print(f"exit {latency:.2f} s after {signal.Signals(sig).name}")
+    assert p.returncode == code, err
+    assert err.strip().splitlines() == [line]
 
 
 # -- timeouts checked, tiny ones kept (issue #31 item 10) ----------------------------------
