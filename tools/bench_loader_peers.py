@@ -6,11 +6,22 @@ packed) tensors. It collates the very rows the loader drew (same order) into the
 keys, and the first batch of each pair is checked equal, so both sides do the same work
 but the selection, the store reads and the caching. With workers, both sides run under a
 ``DataLoader`` with the same number of spawned workers.
+
+Run alone, it prints where one loader batch's time goes (selection, the take from the token
+cache, collate; collate again with every batch kept, as the comparison keeps them, so the
+first touch of fresh output memory shows), then the loader vs in-memory ratios::
+
+    python tools/bench_loader_peers.py                        # 6,000 `table` rollouts, packed
+    python tools/bench_loader_peers.py --workload long --padded --rollouts 3000
 """
 
 from __future__ import annotations
 
+import argparse
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -144,3 +155,68 @@ def loader_section(store: RolloutStore, steps: int) -> dict:
             out[key] = one_case(store, steps, pack, workers)
             print(f"  loader {key}: ratio {out[key]['ratio']:.2f}", flush=True)
     return out
+
+
+def loader_phases(store: RolloutStore, steps: int, pack: bool) -> dict[str, float]:
+    """Milliseconds per batch of each step of a loader batch, the buffer already cached:
+    selection, the take from the token cache, collate (batches dropped), and collate with
+    every batch kept alive (fresh output memory each time, as :func:`one_case` keeps them)."""
+    from rolloutstore.replay.collate import collate
+    from rolloutstore.replay.loader import TokenCache
+    from rolloutstore.replay.selector import Selector
+
+    latest = int(store.sql("SELECT max(policy_version) AS v FROM rollouts")["v"][0].as_py())
+    sel = Selector(store, ReplayConfig(window=WINDOW, max_staleness=STALENESS, seed=0),
+                   record_usage=False)  # fmt: skip
+    cache = TokenCache(store, 10**9)
+    cache.rows(sel.sample(BATCH, latest, learner_step=0))  # fills the cache with the buffer
+    total = dict.fromkeys(("select", "take", "collate", "collate, batches kept"), 0.0)
+    kept = []
+    for i in range(1, 2 * steps + 1):
+        keep = i > steps
+        t0 = time.perf_counter()
+        s = sel.sample(BATCH, latest, learner_step=i)
+        t1 = time.perf_counter()
+        idx = np.arange(len(s))
+        rows = cache.rows(s, idx)
+        t2 = time.perf_counter()
+        batch = collate(rows, s, idx, pack=pack)
+        t3 = time.perf_counter()
+        if keep:
+            kept.append(batch)
+        else:
+            total["select"] += t1 - t0
+            total["take"] += t2 - t1
+        total["collate, batches kept" if keep else "collate"] += t3 - t2
+    return {k: v / steps * 1000 for k, v in total.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workload", choices=["table", "long"], default="table")
+    ap.add_argument("--rollouts", type=int, default=6000)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--padded", action="store_true", help="padded batches (default: packed)")
+    args = ap.parse_args(argv)
+    from tools.peer_workloads import workload_batches
+
+    with tempfile.TemporaryDirectory() as work:
+        store = RolloutStore.open(Path(work) / "store")
+        for t in workload_batches(args.workload, args.rollouts, seed=0):
+            store.append(t)
+        store = store.checkout(store.version)
+        pack = not args.padded
+        phases = loader_phases(store, args.steps, pack)
+        print(f"{args.workload}, {args.rollouts:,} rollouts, {'packed' if pack else 'padded'} "
+              f"batches of {BATCH}: ms per batch")  # fmt: skip
+        for k, v in phases.items():
+            print(f"  {k:<24} {v:6.2f}")
+        r = one_case(store, args.steps, pack, 0)
+        print(f"loader {r['loader_tok_s'] / 1e6:.1f} M tok/s vs in-memory list "
+              f"{r['memory_tok_s'] / 1e6:.1f} M tok/s: {r['ratio']:.2f}")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    raise SystemExit(main())
