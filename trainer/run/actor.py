@@ -39,6 +39,7 @@ from trainer.run.faults import actor_crash
 from trainer.run.resume import effective_config
 
 POLL_SECONDS = 0.2  # sleep while waiting for rows (learner) or weights (actor)
+JOIN_SECONDS = 120.0  # how long a stopping learner lets actors finish their round (STOP)
 
 
 PARENT_ENV = "ROLLOUTSTORE_LEARNER_PID"  # actors started by a learner exit when it is gone

@@ -72,7 +72,7 @@ from trainer.config import (
 )
 from trainer.rollout.evaluation import EvalResult
 from trainer.rollout.weights import remove_text, write_text
-from trainer.run.actor import PARENT_ENV, POLL_SECONDS
+from trainer.run.actor import JOIN_SECONDS, PARENT_ENV, POLL_SECONDS
 from trainer.run.checkpoint import save_run_checkpoint
 from trainer.run.faults import ACTOR_FAULT_ENV
 from trainer.run.loop import TIME_KEYS, Loop
@@ -91,7 +91,6 @@ from trainer.run.setup import (
 
 PUBLISH_EVERY = 1  # learner steps between published weights
 MAX_RESTARTS = 5  # per actor; a crash loop (e.g. a vLLM log-prob mismatch) stops the run
-JOIN_SECONDS = 120.0  # how long the learner lets actors finish their round after STOP
 TERM_SECONDS = 30.0  # then how long a SIGTERM'd actor has to stop its engine before SIGKILL
 
 

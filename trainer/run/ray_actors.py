@@ -29,10 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from trainer.rollout.ray_config import RayConfig
+from trainer.run.actor import JOIN_SECONDS
 from trainer.run.faults import ACTOR_FAULT_ENV
-
-# Ray lets a stopping actor this long to finish its round after STOP (as JOIN_SECONDS).
-JOIN_SECONDS = 120.0
 
 
 def import_ray():
