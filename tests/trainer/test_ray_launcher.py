@@ -28,7 +28,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 
 ROOT = Path(__file__).parents[2]
 GROUP, PROMPTS = 4, 6
-STEPS_ACROSS_NODES = 20
+STEPS_ACROSS_NODES, PAUSE_AT = 12, 3
 
 
 @pytest.fixture(scope="module")
@@ -124,14 +124,27 @@ def test_killed_ray_actor_is_restarted_by_ray_and_every_row_lands_once(
     assert len(_records(run, "train")) == 4
 
 
-def test_node_removed_mid_run_loses_and_duplicates_nothing(cluster, tmp_path):
+def test_node_removed_mid_run_loses_and_duplicates_nothing(cluster, tmp_path, monkeypatch):
     """The actor needs a `rollout_node` resource: it starts on node A; when A is removed,
     Ray restarts it on node B, which continues from the round beside the weights."""
+    from trainer.run.async_learner import AsyncLoop
+
     node_a = cluster.add_node(num_cpus=1, resources={"rollout_node": 1})
-    # Enough steps that the rows node A's actor makes before A goes (a few rounds on an idle
-    # machine while node B starts) cannot carry the run to its end under max_staleness = 2.
     cfg = _config(tmp_path, steps=STEPS_ACROSS_NODES, resources={"rollout_node": 1})
     run = tmp_path / "run"
+    # The learner holds at step PAUSE_AT until node A is gone: the actor on A, never more than
+    # max_staleness = 2 versions ahead of it, cannot make the rows the later steps need, so
+    # the run can only end if the actor generates again on node B (however fast A's rounds).
+    paused, release = threading.Event(), threading.Event()
+    before_step = AsyncLoop.before_step
+
+    def held_before_step(loop):
+        if loop.step >= PAUSE_AT and not release.is_set():
+            paused.set()
+            release.wait(timeout=300)
+        before_step(loop)
+
+    monkeypatch.setattr(AsyncLoop, "before_step", held_before_step)
     # The learner in a thread: Ray adds and removes nodes from the main thread only.
     failure: list[BaseException] = []
 
@@ -143,13 +156,15 @@ def test_node_removed_mid_run_loses_and_duplicates_nothing(cluster, tmp_path):
 
     t = threading.Thread(target=learner, daemon=True)
     t.start()
-    deadline = time.monotonic() + 120
-    while not ((run / "metrics.jsonl").exists() and _records(run, "generate")):
-        assert time.monotonic() < deadline and t.is_alive(), failure
+    assert paused.wait(timeout=180) and not failure, failure
+    deadline = time.monotonic() + 60  # node A's actor generated the steps so far
+    while not _records(run, "generate"):
+        assert time.monotonic() < deadline
         time.sleep(0.2)
     cluster.add_node(num_cpus=1, resources={"rollout_node": 1})
     cluster.remove_node(node_a, allow_graceful=False)
     before = len(_records(run, "generate"))
+    release.set()
     t.join(timeout=300)
     assert not t.is_alive() and not failure, failure
     assert len(_records(run, "generate")) > before  # the restarted actor generated on node B
