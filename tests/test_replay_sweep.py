@@ -4,9 +4,14 @@ per-seed results, and one tiny real cell end to end."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -290,3 +295,54 @@ def test_one_tiny_cell_runs_caches_and_resumes(tmp_path, capsys, keep_torch_thre
     capsys.readouterr()
     assert rs.main(args) == 0  # everything cached: nothing runs
     assert "0 runs to do (1 cached)" in capsys.readouterr().out
+
+
+def _children(pid: int) -> list[int]:
+    """The pool workers of process ``pid`` (spawned: ``multiprocessing.spawn`` in their argv)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            argv = (stat.parent / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+        if ppid == pid and b"multiprocessing.spawn" in argv:
+            out.append(int(stat.parent.name))
+    return out
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc for the workers")
+def test_sigterm_stops_the_sweep_and_its_pool_workers(tmp_path):
+    """SIGTERM (kill, a scheduler's stop) during a --jobs 2 sweep: the sweep exits 143 at once,
+    and neither pool worker runs on (before, they ran their runs to the end, unseen)."""
+    args = ["--run-root", str(tmp_path), "--cells", "ppo-y2-n4", "--seeds", "0", "1"]
+    cmd = [sys.executable, str(ROOT / "tools/replay_sweep.py"), *args, "--jobs", "2", *TINY]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 240
+        while len(workers := _children(proc.pid)) < 2:  # after the warm start
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.2)
+        time.sleep(1.0)  # inside their runs
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    try:
+        assert proc.returncode == 143, err.decode()[-2000:]
+        assert "stopped (SIGTERM)" in err.decode()
+        deadline = time.monotonic() + 30
+        while alive := [w for w in workers if _running(w)]:
+            assert time.monotonic() < deadline, f"pool workers {alive} still running"
+            time.sleep(0.2)
+    finally:
+        for w in workers:  # none is left behind, whatever failed
+            with contextlib.suppress(OSError):
+                os.kill(w, signal.SIGKILL)
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -131,6 +131,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from rolloutstore.errors import Terminated  # noqa: E402
+from rolloutstore.query.limits import sigint_interrupts  # noqa: E402
 from tools.replay_common import copy_sections, load_base, read_metrics  # noqa: E402
 from tools.replay_sweep_grid import (  # noqa: E402
     GRID,
@@ -372,12 +374,19 @@ def run_jobs(
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         os.environ[var] = str(threads)
     ctx = mp.get_context("spawn")
-    with ProcessPoolExecutor(
-        workers, mp_context=ctx, initializer=_init_worker, initargs=(threads,)
-    ) as ex:
+    ex = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker, initargs=(threads,))
+    try:
         futures = {ex.submit(run_cell, j): j for j in jobs}
         for fut in as_completed(futures):
             failed += _finish(cache, futures[fut], fut.result)
+    except BaseException:
+        # ^C or SIGTERM: the runs in flight are stopped, not waited for (minutes each), and no
+        # worker is left running on its own; the finished runs are in the cache already.
+        ex.shutdown(wait=False, cancel_futures=True)
+        for proc in mp.active_children():
+            proc.terminate()
+        raise
+    ex.shutdown()
     return failed
 
 
@@ -579,10 +588,11 @@ def _run(
     t0 = time.perf_counter()
     cache.begin_session(argv, args.jobs)
     try:
-        failed = run_jobs(
-            jobs, cache, base=base, sz=sz, run_root=args.run_root, workers=args.jobs,
-            threads=args.threads,
-        )  # fmt: skip
+        with sigint_interrupts():  # SIGTERM (kill, a scheduler) stops the sweep as ^C does
+            failed = run_jobs(
+                jobs, cache, base=base, sz=sz, run_root=args.run_root, workers=args.jobs,
+                threads=args.threads,
+            )  # fmt: skip
     finally:
         # Count the session's time even when a run (or ^C) stopped the sweep.
         cache.tick()
@@ -592,4 +602,8 @@ def _run(
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    try:
+        raise SystemExit(main())
+    except KeyboardInterrupt as exc:  # the finished runs are cached; a rerun skips them
+        print(f"stopped ({'SIGTERM' if isinstance(exc, Terminated) else '^C'})", file=sys.stderr)
+        raise SystemExit(143 if isinstance(exc, Terminated) else 130) from None
