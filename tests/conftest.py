@@ -66,3 +66,13 @@ def s3_bucket(s3_endpoint) -> tuple[str, dict[str, str]]:
         "allow_http": "true",
     }
     return f"s3://{bucket}", options
+
+
+@pytest.fixture
+def keep_torch_threads():
+    """The test's torch thread count restored after it (the replay sweep sets 1 per run)."""
+    import torch
+
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)

@@ -270,15 +270,6 @@ TINY = [
 ]  # fmt: skip
 
 
-@pytest.fixture
-def keep_torch_threads():
-    import torch
-
-    n = torch.get_num_threads()
-    yield
-    torch.set_num_threads(n)  # the sweep sets 1 thread per run
-
-
 def test_one_tiny_cell_runs_caches_and_resumes(tmp_path, capsys, keep_torch_threads):
     args = ["--run-root", str(tmp_path), "--cells", "ppo-y2-n4", "--seeds", "0", *TINY]
     assert rs.main(args) == 0

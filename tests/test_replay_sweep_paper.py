@@ -4,6 +4,7 @@ compute-vs-lr table, on fake cache records (no training)."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -320,3 +321,78 @@ def test_compute_vs_lr_table_rows(tmp_path):
     assert len(rows) == 4
     table = tune.lr_table(choices, GRID_LR, m)
     assert table.splitlines()[0] == "| cell | lr 2.5e-5 | lr 5e-5 | lr 1e-4 | lr 2e-4 | chosen lr |"
+
+
+# -- the real-model comparison (--start base, item 4) ------------------------------------------
+def _base_config(tmp_path: Path) -> Path:
+    """A config like examples/smollm2_arith.toml (model folder, LoRA, its own task and greedy
+    eval) on a tiny model folder, so a run takes seconds."""
+    from trainer.models.tiny import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "base-model", task="arith", seed=0)
+    path = tmp_path / "real.toml"
+    path.write_text(
+        f"""
+[model]
+path = "{model}"
+lora = {{ rank = 4, alpha = 8 }}
+[task]
+name = "arith"
+options = {{ min_operands = 2, max_operands = 2, max_digits = 1, ops = ["+"] }}
+[generation]
+backend = "hf"
+max_tokens = 4
+[loss]
+loss_type = "ppo"
+[optim]
+lr = 5e-4
+[run]
+dir = "unused"
+[eval]
+greedy = true
+"""
+    )
+    return path
+
+
+def test_base_start_keeps_the_configs_model_task_and_eval(tmp_path):
+    base = load_base(_base_config(tmp_path))
+    sz = grid.Sizing(start="base", prompts_per_round=4, group_size=4, batch_size=8)
+    cfg = grid.build_config(base, grid.parse_cell("asymre-pos50-y2-n4"), 3, sz, tmp_path / "runs")
+    assert cfg.model.path == str((tmp_path / "base-model").resolve())  # not the warm start
+    assert cfg.model.lora is not None and cfg.model.lora.rank == 4
+    assert cfg.task.name == "arith" and cfg.generation.max_tokens == 4  # not carry_add's
+    assert cfg.eval.greedy and cfg.eval.prompts == sz.eval_prompts
+    assert (cfg.loss.loss_type, cfg.replay.positive_fraction) == ("asymre", 0.5)
+    assert cfg.replay.window == 4 * 16 and cfg.run.updates_per_round == 4  # y x R / B
+    warm = grid.Sizing(prompts_per_round=4, group_size=4, batch_size=8)
+    assert grid.config_hash(cfg, sz) != grid.config_hash(
+        grid.build_config(base, grid.parse_cell("asymre-pos50-y2-n4"), 3, warm, tmp_path / "r"),
+        warm,
+    )
+    with pytest.raises(ValueError, match="not a model folder"):
+        grid.build_config({**base, "model": {"path": "no/such"}}, grid.ONPOLICY, 0, sz, tmp_path)
+    with pytest.raises(ValueError, match="--start 'cold'"):
+        grid.build_config(base, grid.ONPOLICY, 0, grid.Sizing(start="cold"), tmp_path)
+
+
+def test_base_start_runs_both_arms_from_the_model_folder(tmp_path, keep_torch_threads):
+    """--start base end to end: no warm start is trained (warm.json holds the base model's
+    held-out pass@k), on-policy and a replay cell run with LoRA and land in the cache."""
+    conf = _base_config(tmp_path)
+    runs = tmp_path / "runs"
+    args = [
+        "--config", str(conf), "--start", "base", "--run-root", str(runs),
+        "--cells", "onpolicy", "ppo-y2-n4", "--seeds", "0", "--budget-rounds", "2",
+        "--evals", "2", "--eval-prompts", "4", "--passk-prompts", "2", "--passk-samples", "4",
+        "--prompts-per-round", "2", "--group-size", "4", "--batch-size", "8",
+    ]  # fmt: skip
+    assert rs.main(args) == 0
+    data = json.loads((runs / "cache.json").read_text())
+    assert data["warm"]["spec"]["start"] == "base" and 0 <= data["warm"]["pass1"] <= 1
+    assert sorted(p.name for p in (runs / "warm").iterdir()) == ["warm.json"]  # nothing trained
+    assert set(data["runs"]) == {"ppo-y1-n1/s0", "ppo-y2-n4/s0"}
+    on, rep = data["runs"]["ppo-y1-n1/s0"], data["runs"]["ppo-y2-n4/s0"]
+    assert on["uses"] == on["rollouts"] and rep["uses"] == 2 * rep["rollouts"]  # y
+    run = json.loads((runs / "ppo-y2-n4" / "s0" / "run.json").read_text())
+    assert run["config"]["model"]["lora"]["rank"] == 4, run.keys()

@@ -152,6 +152,7 @@ from tools.replay_sweep_grid import (  # noqa: E402
     parse_cell,
     plan,
     schedule,
+    start_from_base,
     warm_dir,
 )
 from tools.replay_sweep_report import best_cells, measured_mu, report, summarise_cells  # noqa: E402
@@ -180,12 +181,20 @@ def ensure_warm(base: dict[str, Any], sz: Sizing, run_root: Path) -> dict[str, A
 
     out, seed = warm_dir(run_root), sz.warm_seed
     spec = {"steps": sz.warm_steps, "lr": sz.warm_lr, "seed": seed, "model": base.get("model")}
+    if start_from_base(sz):  # no warm start: the base model's own held-out pass@k
+        spec = {"start": "base", "model": base.get("model"), "task": base.get("task")}
     info_path = out / "warm.json"
     if info_path.exists():
         info = json.loads(info_path.read_text())
         if info.get("spec") == spec:
             return info
     t0 = time.perf_counter()
+    if start_from_base(sz):
+        cfg = build_config(base, ONPOLICY, seed, sz, run_root)
+        info = {"spec": spec, "seconds": 0.0, **heldout(Path(cfg.model.path), cfg, sz)}
+        out.mkdir(parents=True, exist_ok=True)
+        info_path.write_text(json.dumps(info, indent=1))
+        return info
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     d = copy_sections(base)

@@ -190,6 +190,10 @@ class Sizing:
     warm_lr: float = 1e-3
     warm_seed: int = 0
     lr: float = 1e-4
+    # "warm": the tiny model on carry_add after the supervised warm start (the sweep's own
+    # setting); "base": the --config's own model (a real pretrained one, LoRA as it says) and
+    # task, as they are: no warm start (issue #30 item 4).
+    start: str = "warm"
 
     @property
     def rollouts_per_round(self) -> int:
@@ -215,13 +219,21 @@ def build_config(base: dict[str, Any], cell: Cell, seed: int, sz: Sizing, run_ro
     from trainer.config import TrainConfig
 
     d = copy_sections(base)
-    for section, values in TASK.items():
-        d.setdefault(section, {}).update(copy_sections(values))
     upr = sz.updates_per_round(cell)
     steps = sz.rounds(cell) * upr
     R = sz.rollouts_per_round
-    d["model"]["path"] = str(warm_dir(run_root))
-    d["eval"] = {"prompts": sz.eval_prompts, "every": sz.eval_every_rounds(cell) * upr}
+    every = {"prompts": sz.eval_prompts, "every": sz.eval_every_rounds(cell) * upr}
+    if start_from_base(sz):  # the config's model, task and eval settings (greedy, ...)
+        path = Path(d["model"]["path"])
+        if not path.is_dir():  # a relative folder resolves from here; no hub names offline
+            raise ValueError(f"--start base: [model] path {str(path)!r} is not a model folder")
+        d["model"]["path"] = str(path.resolve())
+        d["eval"] = {**d.get("eval", {}), **every}
+    else:
+        for section, values in TASK.items():
+            d.setdefault(section, {}).update(copy_sections(values))
+        d["model"]["path"] = str(warm_dir(run_root))
+        d["eval"] = every
     d["generation"].update(prompts_per_round=sz.prompts_per_round, group_size=sz.group_size)
     d["run"].update(
         dir=str(run_root / cell.name / f"s{seed}"),
@@ -258,7 +270,7 @@ def config_hash(cfg: Any, sz: Sizing) -> str:
     d = cfg.to_dict()
     d["run"]["dir"] = d["model"]["path"] = ""
     extra = {
-        "warm": [sz.warm_steps, sz.warm_lr, sz.warm_seed],
+        "warm": "base" if start_from_base(sz) else [sz.warm_steps, sz.warm_lr, sz.warm_seed],
         "passk": [sz.passk_prompts, sz.passk_samples, PASSK_SEED],
         "schema": SCHEMA,
     }
@@ -268,6 +280,13 @@ def config_hash(cfg: Any, sz: Sizing) -> str:
 
 def warm_dir(run_root: Path) -> Path:
     return run_root / "warm"
+
+
+def start_from_base(sz: Sizing) -> bool:
+    """Whether runs start from the --config's own model (``--start base``) or the warm start."""
+    if sz.start not in ("warm", "base"):
+        raise ValueError(f"--start {sz.start!r}: 'warm' (the tiny model's warm start) or 'base'")
+    return sz.start == "base"
 
 
 # -- the cache ----------------------------------------------------------------------------------

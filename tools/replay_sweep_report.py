@@ -485,7 +485,13 @@ def _intro(
     w = cache.warm
     if w:
         lines += [
-            f"Start (all runs): the supervised warm start of {sz.warm_steps} steps, held-out "
+            "Start (all runs): "
+            + (
+                f"the base model of the config ({w['spec'].get('model', {}).get('path')})"
+                if w.get("spec", {}).get("start") == "base"
+                else f"the supervised warm start of {sz.warm_steps} steps"
+            )
+            + ", held-out "
             f"pass@1 {w['pass1']:.3f}, pass@4 {w['pass4']:.3f}, entropy "
             f"{w['heldout_entropy']:.3f} nats/token, {w['heldout_tokens']:.1f} tokens per "
             "completion.",
