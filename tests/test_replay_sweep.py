@@ -288,18 +288,31 @@ def test_one_tiny_cell_runs_caches_and_resumes(tmp_path, capsys, keep_torch_thre
     assert "0 runs to do (1 cached)" in capsys.readouterr().out
 
 
+def _stat(proc: Path) -> tuple[str, int] | None:
+    """(state, parent pid) of the process whose /proc folder is ``proc``; None once it is gone."""
+    try:
+        fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return fields[0], int(fields[1])
+
+
 def _children(pid: int) -> list[int]:
     """The pool workers of process ``pid`` (spawned: ``multiprocessing.spawn`` in their argv)."""
     out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-            argv = (stat.parent / "cmdline").read_bytes()
-        except (OSError, IndexError, ValueError):
-            continue  # gone meanwhile
-        if ppid == pid and b"multiprocessing.spawn" in argv:
-            out.append(int(stat.parent.name))
+    for proc in Path("/proc").glob("[0-9]*"):
+        stat = _stat(proc)
+        if stat is None or stat[1] != pid:
+            continue
+        with contextlib.suppress(OSError):
+            if b"multiprocessing.spawn" in (proc / "cmdline").read_bytes():
+                out.append(int(proc.name))
     return out
+
+
+def _running(pid: int) -> bool:
+    stat = _stat(Path(f"/proc/{pid}"))
+    return stat is not None and stat[0] != "Z"
 
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc for the workers")
@@ -330,10 +343,3 @@ def test_sigterm_stops_the_sweep_and_its_pool_workers(tmp_path):
         for w in workers:  # none is left behind, whatever failed
             with contextlib.suppress(OSError):
                 os.kill(w, signal.SIGKILL)
-
-
-def _running(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False

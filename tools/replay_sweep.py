@@ -180,21 +180,23 @@ def ensure_warm(base: dict[str, Any], sz: Sizing, run_root: Path) -> dict[str, A
     from trainer.run.setup import prepare_model, warm_start
 
     out, seed = warm_dir(run_root), sz.warm_seed
-    spec = {"steps": sz.warm_steps, "lr": sz.warm_lr, "seed": seed, "model": base.get("model")}
-    if start_from_base(sz):  # no warm start: the base model's own held-out pass@k
+    from_base = start_from_base(sz)  # no warm start: the base model's own held-out pass@k
+    if from_base:
         spec = {"start": "base", "model": base.get("model"), "task": base.get("task")}
+    else:
+        spec = {"steps": sz.warm_steps, "lr": sz.warm_lr, "seed": seed, "model": base.get("model")}
     info_path = out / "warm.json"
     if info_path.exists():
         info = json.loads(info_path.read_text())
         if info.get("spec") == spec:
             return info
-    t0 = time.perf_counter()
-    if start_from_base(sz):
+    if from_base:
         cfg = build_config(base, ONPOLICY, seed, sz, run_root)
         info = {"spec": spec, "seconds": 0.0, **heldout(Path(cfg.model.path), cfg, sz)}
         out.mkdir(parents=True, exist_ok=True)
         info_path.write_text(json.dumps(info, indent=1))
         return info
+    t0 = time.perf_counter()
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     d = copy_sections(base)

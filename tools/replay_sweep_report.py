@@ -484,14 +484,14 @@ def _intro(
     ]
     w = cache.warm
     if w:
+        spec = w.get("spec", {})
+        start = (
+            f"the base model of the config ({spec.get('model', {}).get('path')})"
+            if spec.get("start") == "base"
+            else f"the supervised warm start of {sz.warm_steps} steps"
+        )
         lines += [
-            "Start (all runs): "
-            + (
-                f"the base model of the config ({w['spec'].get('model', {}).get('path')})"
-                if w.get("spec", {}).get("start") == "base"
-                else f"the supervised warm start of {sz.warm_steps} steps"
-            )
-            + ", held-out "
+            f"Start (all runs): {start}, held-out "
             f"pass@1 {w['pass1']:.3f}, pass@4 {w['pass4']:.3f}, entropy "
             f"{w['heldout_entropy']:.3f} nats/token, {w['heldout_tokens']:.1f} tokens per "
             "completion.",
