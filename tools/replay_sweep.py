@@ -98,6 +98,16 @@ the fresh seeds at both mu, with its sensitivity to the target::
     python tools/replay_sweep.py --evaluate --cells paper --jobs 2      # evaluation phase
     python tools/replay_sweep.py --report
 
+**A real model** (issue #30 item 4): ``--start base`` runs the cells from the ``--config``'s own
+model folder, task and eval settings (LoRA as it says; no warm start: ``RUN_ROOT/warm/warm.json``
+holds the base model's held-out pass@k), e.g. on-policy vs one tuned cell on SmolLM2::
+
+    python tools/replay_sweep.py --config examples/smollm2_arith.toml --start base \
+        --run-root runs/sweep_smollm2 --cells onpolicy CELL --seeds 0 1 2 \
+        --prompts-per-round 8 --group-size 8 --batch-size 32 --budget-rounds 4 --evals 4 \
+        --eval-prompts 64 --passk-prompts 32 --passk-samples 4 --lr 5e-4 \
+        --out docs/results_smollm2_replay.md
+
 Resumable: finished (cell, seed) runs are cached as they end and skipped when their config
 is unchanged; an interrupted run is started again from scratch. Run folders are pruned to
 ``metrics.jsonl`` + ``run.json`` unless ``--keep-runs``. Generation uses transformers (``hf``):
