@@ -124,6 +124,26 @@ def test_cache_skips_finished_runs_and_survives_a_reload(tmp_path):
     assert json.loads((tmp_path / "cache.json").read_text())["schema"] == grid.SCHEMA
 
 
+def test_a_resumed_cache_refuses_a_different_warm_start(tmp_path):
+    """A cache committed in one checkout is resumed in another whose warm start is rebuilt: the
+    same spec must give the same held-out figures, else the cached runs started elsewhere."""
+    spec = {"steps": 250, "lr": 0.001, "seed": 0}
+    warm = {"spec": spec, "seconds": 14.0, "pass1": 0.2978, "pass4": math.nan,
+            "heldout_entropy": 0.2094, "heldout_tokens": 27.29}  # fmt: skip
+    cache = grid.Cache(tmp_path / "cache.json")
+    cache.adopt_warm(warm)
+    cache.save()
+    again = grid.Cache(tmp_path / "cache.json")
+    again.adopt_warm({**warm, "seconds": 70.0})  # rebuilt: slower, the same model (NaN = NaN)
+    assert again.warm["seconds"] == 70.0
+    with pytest.raises(SystemExit, match=r"pass1 0\.2978 -> 0\.31.*new --cache"):
+        again.adopt_warm({**warm, "pass1": 0.31})
+    assert again.warm["pass1"] == 0.2978  # refused: the cached warm start kept
+    # Another spec is another start (its runs hash differently): taken.
+    again.adopt_warm({**warm, "spec": {**spec, "steps": 100}, "pass1": 0.1})
+    assert again.warm["pass1"] == 0.1
+
+
 # -- per-run numbers ----------------------------------------------------------------------------
 def test_summarise_run_reads_the_loop_metrics():
     recs = [{"kind": "eval", "step": 0, "reward": 0.2, "generated_tokens": 0}]

@@ -93,10 +93,16 @@ seeds only on ``--fresh-seeds`` (>= 5, disjoint from the tuning seeds); ``--repo
 compute-to-target vs lr tables and the best tuned replay cell's saving vs tuned on-policy on
 the fresh seeds at both mu, with its sensitivity to the target::
 
-    python tools/replay_sweep.py --tune --cells paper --plan --jobs 2   # both phases' runs, time
-    python tools/replay_sweep.py --tune --cells paper --jobs 2          # tuning phase
-    python tools/replay_sweep.py --evaluate --cells paper --jobs 2      # evaluation phase
-    python tools/replay_sweep.py --report
+    C="--cache docs/data/replay_sweep_paper.json"  # kept in the repository (see below)
+    python tools/replay_sweep.py --tune --cells paper --plan --jobs 2 $C   # both phases, time
+    python tools/replay_sweep.py --tune --cells paper --jobs 2 $C          # tuning phase
+    python tools/replay_sweep.py --evaluate --cells paper --jobs 2 $C      # evaluation phase
+    python tools/replay_sweep.py --report $C
+
+The tuned sweep takes longer than one working session (~6-10 h on 2 cores), so its cache is a
+tracked file, ``docs/data/replay_sweep_paper.json``, committed as runs finish: a fresh checkout
+resumes where the last stopped (the warm start, 15-70 s, is rebuilt in ``RUN_ROOT/warm`` and
+must give the cached held-out figures exactly, else the sweep refuses to mix the two).
 
 **A real model** (issue #30 item 4): ``--start base`` runs the cells from the ``--config``'s own
 model folder, task and eval settings (LoRA as it says; no warm start: ``RUN_ROOT/warm/warm.json``
@@ -382,7 +388,7 @@ def run_jobs(
     """The warm start (once), then every job; each result cached as it ends. Returns the
     number of failed runs."""
     _init_worker(threads)
-    cache.warm = ensure_warm(base, sz, run_root)
+    cache.adopt_warm(ensure_warm(base, sz, run_root))
     cache.save()
     failed = 0
     if workers <= 1:

@@ -42,6 +42,7 @@ from tools.replay_common import copy_sections
 PAPER = "https://arxiv.org/abs/2604.08706"
 PAPER_MU = 5.3  # the paper's generation / training cost per rollout for Qwen2.5-7B
 SCHEMA = 1  # bump when what a cached record means changes
+WARM_FIGURES = ("pass1", "pass4", "heldout_entropy", "heldout_tokens")  # a warm start's identity
 PASSK_SEED = 424_242  # the held-out pass@k prompt set and its sampling seed: one for all runs
 LOSSES = ("ppo", "tis", "asymre", "m2po")
 ASYMRE_DELTA = -0.1  # the paper's delta V for AsymRE (also trainer.algo.loss_config's default)
@@ -289,6 +290,13 @@ def start_from_base(sz: Sizing) -> bool:
     return sz.start == "base"
 
 
+def _same(a: Any, b: Any) -> bool:
+    """Equal, counting NaN equal to NaN (pass@4 with fewer than 4 samples)."""
+    return a == b or (
+        isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b)
+    )
+
+
 # -- the cache ----------------------------------------------------------------------------------
 class Cache:
     """``{"runs": {"CELL/sSEED": record}, "warm": {...}, "sessions": [...]}`` in one JSON file,
@@ -321,6 +329,22 @@ class Cache:
         if getattr(self, "_t0", None) is not None:
             self.sessions[-1]["seconds"] = time.perf_counter() - self._t0
             self.sessions[-1]["runs"] += ran
+
+    def adopt_warm(self, info: dict[str, Any]) -> None:
+        """Take the warm start's info (``ensure_warm``); refuse one rebuilt with the same spec
+        whose held-out figures differ from those the cached runs started from: a cache committed
+        in one checkout is resumed in another, whose warm start is rebuilt, not copied."""
+        old = self.warm
+        if old.get("spec") == info.get("spec"):
+            diff = [k for k in WARM_FIGURES if k in old and not _same(old[k], info.get(k))]
+            if diff:
+                got = ", ".join(f"{k} {old[k]!r} -> {info.get(k)!r}" for k in diff)
+                raise SystemExit(
+                    f"{self.path}: the warm start rebuilt here is not the one its cached runs "
+                    f"started from ({got}); resume on the machine and torch build that made "
+                    "the cache, or start a new --cache"
+                )
+        self.warm = info
 
     def put(self, cell: Cell, seed: int, record: dict) -> None:
         self.runs[self.key(cell, seed)] = record
