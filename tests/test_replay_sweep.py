@@ -153,7 +153,9 @@ def test_summarise_run_reads_the_loop_metrics():
             {
                 "kind": "train", "step": s, "entropy": 1.0 / s, "generated_tokens": 1600 * rnd,
                 "generated_rollouts": 64 * rnd, "gen_seconds": 0.5 * rnd,
-                "train_seconds": 0.25 * s,
+                "train_seconds": 0.25 * s, "approx_kl": 0.01 * s, "ess_frac": 1.0,
+                # staleness 0 on a round's first step, then 32 rows of 0 and 32 of 1
+                "staleness_hist": {"0": 64} if s % 2 else {"0": 32, "1": 32},
             }
         )  # fmt: skip
         if s % 4 == 0:
@@ -166,6 +168,14 @@ def test_summarise_run_reads_the_loop_metrics():
     assert out["mu"] == pytest.approx(2.0)
     assert out["train_entropy"] == pytest.approx(sum(1.0 / s for s in range(4, 9)) / 5)
     assert out["final_reward"] == pytest.approx(0.6)
+    # 512 drawn rows, 128 of them one version stale: mean 1/4, variance 1/4 - 1/16.
+    assert out["staleness_mean"] == pytest.approx(0.25)
+    assert out["staleness_var"] == pytest.approx(0.25 - 0.0625)
+    assert out["approx_kl_mean"] == pytest.approx(0.045) and out["ess_frac_mean"] == 1.0
+    # Records of a loop that logs none of them (older runs): NaN, not an error.
+    bare = [{k: v for k, v in r.items() if k not in ("staleness_hist", "approx_kl")} for r in recs]
+    out = rs.summarise_run(bare, grid.parse_cell("ppo-y2-n4"), 64)
+    assert math.isnan(out["staleness_mean"]) and math.isnan(out["approx_kl_mean"])
 
 
 def test_pass_at_k_is_the_unbiased_estimator():

@@ -5,6 +5,7 @@ compute-vs-lr table, on fake cache records (no training)."""
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -16,6 +17,7 @@ sys.path.insert(0, str(ROOT))
 from tools import replay_sweep as rs  # noqa: E402  (the runner and the CLI)
 from tools import replay_sweep_grid as grid  # noqa: E402  (cells, sizing, configs, cache)
 from tools import replay_sweep_report as rep  # noqa: E402  (saving, bootstrap)
+from tools import replay_sweep_theory as theory  # noqa: E402  (item 5)
 from tools import replay_sweep_tune as tune  # noqa: E402  (lr choice, tuned section)
 from tools.replay_common import load_base  # noqa: E402
 
@@ -396,3 +398,55 @@ def test_base_start_runs_both_arms_from_the_model_folder(tmp_path, keep_torch_th
     assert on["uses"] == on["rollouts"] and rep["uses"] == 2 * rep["rollouts"]  # y
     run = json.loads((runs / "ppo-y2-n4" / "s0" / "run.json").read_text())
     assert run["config"]["model"]["lora"]["rank"] == 4, run.keys()
+
+
+# -- the theory check (item 5) -----------------------------------------------------------------
+def test_break_even_mu_follows_the_compute_model():
+    # More passes, fewer rollouts: cheaper above (U - U0) / (G0 - G).
+    kind, mu = theory.break_even(3100, 1550, 2200, 2200)
+    assert kind == "above" and mu == pytest.approx(900 / 650)
+    assert 3100 + (mu + 0.01) * 1550 < 2200 + (mu + 0.01) * 2200  # just above: cheaper
+    assert 3100 + (mu - 0.01) * 1550 > 2200 + (mu - 0.01) * 2200  # just below: dearer
+    assert theory.break_even(2000, 2500, 2200, 2200) == ("below", pytest.approx(200 / 300))
+    assert theory.break_even(2100, 500, 2200, 2200)[0] == "always"
+    assert theory.break_even(2300, 2300, 2200, 2200)[0] == "never"
+    assert theory.break_even(2200, 2200, 2200, 2200)[0] == "never"  # equal: never cheaper
+    assert theory.fmt_break_even("above", 1.3846) == "mu > 1.38"
+
+
+def test_spearman_ranks_with_ties():
+    assert theory.spearman([1, 2, 3, 4], [10, 20, 30, 400]) == pytest.approx(1.0)
+    assert theory.spearman([1, 2, 3], [3, 2, 1]) == pytest.approx(-1.0)
+    assert theory.spearman([1, 1, 2, 3], [1, 2, 3, 4]) == pytest.approx(0.9486833, abs=1e-6)
+    assert math.isnan(theory.spearman([1, 2], [1, 2])) and math.isnan(
+        theory.spearman([1] * 3, [1, 2, 3])
+    )
+
+
+def test_theory_check_on_the_fresh_seeds(tmp_path):
+    cache, fresh = _fake_cache(tmp_path)
+    records = cache.records()
+    stale = {grid.ONPOLICY.at(1e-4): 0.0, REPLAY.at(5e-5): 1.5, WORSE.at(2e-4): 4.0}
+    for cell, var in stale.items():
+        for rec in records[cell].values():
+            rec.update(staleness_mean=var / 2, staleness_var=var, approx_kl_mean=1e-3 * (1 + var))
+    check = theory.theory_check(records, list(stale), FRESH, TARGET, 1.0)
+    pts = check["points"]
+    for cell in stale:  # mean passes and rollouts to target over the fresh seeds
+        assert pts[cell]["uses"] == pytest.approx(np.mean([u for u, _ in fresh[cell]]))
+        assert pts[cell]["rollouts"] == pytest.approx(np.mean([g for _, g in fresh[cell]]))
+        assert pts[cell]["reached"] == 5 and pts[cell]["staleness_var"] == stale[cell]
+    assert pts[REPLAY.at(5e-5)]["break_even"][0] == "always"  # fewer passes and fewer rollouts
+    kind, mu = pts[WORSE.at(2e-4)]["break_even"]
+    assert kind == "above" and mu == pytest.approx((3100 - 2200) / (2200 - 1550))
+    assert not check["onpolicy_least_passes"]  # REPLAY needs fewer passes than on-policy
+    assert check["best"] == {"measured": REPLAY.at(5e-5), "paper": REPLAY.at(5e-5)}
+    assert math.isnan(check["staleness_vs_passes"])  # two replay cells: no correlation
+    lines = "\n".join(theory.theory_lines(check, 1.0, "fresh seeds"))
+    assert f"| {WORSE.at(2e-4).label()} | 5/5 | 3,100 | 1,550 | mu > 1.38 | 2.00 | 4.00 |" in lines
+    # The report carries the section, on the fresh seeds once they ran.
+    out = tmp_path / "results.md"
+    args = ["--report", "--run-root", str(tmp_path), "--out", str(out), "--bootstrap", "100"]
+    assert rs.main(args + ["--target", str(TARGET)]) == 0
+    block = out.read_text()
+    assert "#### Theory check (issue #30 item 5)" in block and "On the fresh seeds" in block

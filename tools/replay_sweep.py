@@ -303,6 +303,33 @@ def summarise_run(recs: list[dict[str, Any]], cell: Cell, batch_size: int) -> di
         "first_reward": evals[0]["reward"],
         "final_reward": evals[-1]["reward"],
         "train_entropy": float(np.mean(tail)) if tail else math.nan,
+        **drift_proxies(train),
+    }
+
+
+def drift_proxies(train: list[dict[str, Any]]) -> dict[str, float]:
+    """What issue #30's theory check measures per run, over every drawn row of every step:
+    the staleness (policy versions between a row's generation and its use) mean and variance,
+    and the mean approx. KL between the learner and the behaviour policy on the drawn rows
+    (staleness drift plus the learner having trained on those very rows: the sample-iterate
+    coupling of reuse) and the effective-sample-size fraction of the importance weights."""
+    counts: dict[int, int] = {}
+    for r in train:
+        for k, v in (r.get("staleness_hist") or {}).items():
+            counts[int(k)] = counts.get(int(k), 0) + int(v)
+    n = sum(counts.values())
+    mean = sum(k * v for k, v in counts.items()) / n if n else math.nan
+    var = sum((k - mean) ** 2 * v for k, v in counts.items()) / n if n else math.nan
+
+    def avg(key: str) -> float:
+        vals = [r[key] for r in train if r.get(key) is not None]
+        return float(np.mean(vals)) if vals else math.nan
+
+    return {
+        "staleness_mean": mean,
+        "staleness_var": var,
+        "approx_kl_mean": avg("approx_kl"),
+        "ess_frac_mean": avg("ess_frac"),
     }
 
 

@@ -56,6 +56,7 @@ from tools.replay_sweep_report import (
     measured_mu,
     saving,
 )
+from tools.replay_sweep_theory import theory_check, theory_lines
 
 DEFAULT_LR_GRID = (2.5e-5, 5e-5, 1e-4, 2e-4)
 TUNE_SEEDS = (100, 101)
@@ -369,6 +370,12 @@ def tuned_section(
     best = {tag: best_tuned(choices, m) for tag, m in mus.items()}
     lines += _saving_lines(fresh_savings(records, choices, fresh_seeds, target, mus, n_boot), mus)
     lines += ["", _sensitivity(records, choices, fresh_seeds, target, mus, best, n_boot)]
+    tuned = [ch.tuned for ch in choices.values() if ch.tuned is not None]
+    fresh_ran = any(s in records.get(c, {}) for c in tuned for s in fresh_seeds)
+    seeds, label = (fresh_seeds, "fresh seeds") if fresh_ran else (tune_seeds, "tuning seeds")
+    if tuned:
+        check = theory_check(records, tuned, list(seeds), target, mu)
+        lines += [*theory_lines(check, mu, label), ""]
     return lines
 
 
