@@ -97,12 +97,14 @@ the fresh seeds at both mu, with its sensitivity to the target::
     python tools/replay_sweep.py --tune --cells paper --plan --jobs 2 $C   # both phases, time
     python tools/replay_sweep.py --tune --cells paper --jobs 2 $C          # tuning phase
     python tools/replay_sweep.py --evaluate --cells paper --jobs 2 $C      # evaluation phase
-    python tools/replay_sweep.py --report $C
+    python tools/replay_sweep.py --report $C --out docs/results_tuned.md
 
 The tuned sweep takes longer than one working session (~6-10 h on 2 cores), so its cache is a
 tracked file, ``docs/data/replay_sweep_paper.json``, committed as runs finish: a fresh checkout
-resumes where the last stopped (the warm start, 15-70 s, is rebuilt in ``RUN_ROOT/warm`` and
-must give the cached held-out figures exactly, else the sweep refuses to mix the two).
+resumes where the last stopped. The warm start (15-70 s) is rebuilt in ``RUN_ROOT/warm`` and must
+give the cached held-out figures exactly, else the sweep refuses to mix the two. The report
+goes to ``docs/results_tuned.md``, beside the first sweep's in ``docs/results.md`` (whose cache
+was not kept: a report written there from this cache would replace its tables).
 
 **A real model** (issue #30 item 4): ``--start base`` runs the cells from the ``--config``'s own
 model folder, task and eval settings (LoRA as it says; no warm start: ``RUN_ROOT/warm/warm.json``
