@@ -287,8 +287,11 @@ def test_fresh_saving_is_paired_by_seed_and_matches_its_definition(tmp_path, cap
             f"{rep.fmt_pct(want)};"
         ) in block
     assert "(paired, 5 seeds)" in block and "Measured mu: **1.00**" in block
-    # The tuned cells are not in the first sweep's table, and nothing plots without them.
-    assert "| cell | y | N (rows) |" not in block and not list(tmp_path.glob("*.png"))
+    # The tuned cells are not in the first sweep's table; its figures are not drawn, the
+    # compute-vs-lr figure (the paper's Figure 4 view) is, and the block shows it.
+    assert "| cell | y | N (rows) |" not in block
+    assert [p.name for p in tmp_path.glob("*.png")] == ["results_lr.png"]
+    assert "![compute to target vs lr](results_lr.png)" in block
 
 
 def test_compute_vs_lr_table_rows(tmp_path):

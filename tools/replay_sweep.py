@@ -617,7 +617,7 @@ def _report(args: argparse.Namespace, argv: list[str], sz: Sizing, cache: Cache,
         tuned = tuned_section(
             records, lr_grid=args.lr_grid, tune_seeds=args.tune_seeds,
             fresh_seeds=args.fresh_seeds, target=args.target, choice_mu=sz.mu_budget,
-            n_boot=args.bootstrap,
+            n_boot=args.bootstrap, figure=args.out.with_name(f"{args.out.stem}_lr.png"),
         )  # fmt: skip
     block = report(
         cache, hashes, sz, target=args.target, out=args.out, command=cmd,

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -307,6 +308,49 @@ def fresh_table(
     return "\n".join("| " + " | ".join(r) + " |" for r in rows) + "\n"
 
 
+def plot_lr_curves(
+    choices: dict[Cell, LrChoice], lr_grid: list[float], mus: dict[str, float], path: Path
+) -> None:
+    """The paper's Figure-4 view on the tuning seeds: compute to target against lr, a line per
+    cell (points where every tuning seed reached the target; on-policy thick and black), and
+    the replay frontier (the lowest replay cell at each lr) dashed, one panel per mu."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(mus), figsize=(6.5 * len(mus), 5), squeeze=False)
+    for ax, (tag, mu) in zip(axes.flat, mus.items()):
+        front: dict[float, float] = {}
+        for cell, ch in choices.items():
+            pts = [(p.lr, p.compute(mu)) for p in ch.points if p.reached == len(p.hits)]
+            if not pts:
+                continue
+            x, y = zip(*pts)
+            if cell.onpolicy:
+                ax.plot(x, y, "k-o", lw=2.5, label=f"{cell.label()}", zorder=3)
+                continue
+            ax.plot(x, y, "-", marker=".", lw=0.8, alpha=0.6, label=cell.name)
+            for lr, c in pts:
+                front[lr] = min(front.get(lr, math.inf), c)
+        if front:
+            fx = sorted(front)
+            ax.plot(fx, [front[x] for x in fx], "r--", lw=2, label="replay frontier", zorder=2)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(lr_grid, [lr_name(x) for x in lr_grid])
+        ax.set_xlabel("learning rate")
+        ax.set_ylabel("compute to target (learner passes over one rollout)")
+        what = "measured" if tag == "measured" else "paper's"
+        ax.set_title(f"{what} mu = {mu:.2f}", fontsize=10)
+        ax.grid(alpha=0.3)
+    axes.flat[0].legend(fontsize=6, ncol=2)
+    fig.suptitle("tuning seeds: mean compute to target over seeds, lrs where every seed reached it")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 # -- the report's section -----------------------------------------------------------------------
 def tuning_mu(records: Records, tune_seeds: list[int]) -> float:
     """The measured mu of the tuned protocol: the median over the tuning runs only (fixed
@@ -324,6 +368,7 @@ def tuned_section(
     target: float,
     choice_mu: float,
     n_boot: int = 10_000,
+    figure: Path | None = None,
 ) -> list[str]:
     """The report's lines on the tuned cells (those with an lr in their name): the
     compute-vs-lr tables, the fresh-seed table, the best tuned replay cell's saving at both
@@ -361,6 +406,9 @@ def tuned_section(
             "",
             lr_table(choices, lr_grid, m),
         ]
+    if figure is not None and any(ch.points for ch in choices.values()):
+        plot_lr_curves(choices, lr_grid, mus, figure)
+        lines += [f"![compute to target vs lr]({figure.name})", ""]
     lines += [
         "On the fresh seeds, at the chosen lr (mean [95% bootstrap interval]; savings paired "
         "by seed):",
