@@ -233,7 +233,9 @@ def test_report_tables_best_cell_and_saving(tmp_path):
     cache = grid.Cache(tmp_path / "cache.json")
     cache.warm = {"pass1": 0.2, "pass4": 0.4, "heldout_entropy": 0.3, "heldout_tokens": 27.0,
                   "seconds": 5.0, "spec": {"steps": 250}}  # fmt: skip
-    cache.sessions = [{"argv": [], "jobs": 2, "seconds": 600.0, "runs": 12}]
+    inside = str(Path(rep.__file__).resolve().parents[1] / "docs" / "data" / "c.json")
+    cache.sessions = [{"argv": ["--cache", inside, "--out", "/elsewhere/r.md"], "jobs": 2,
+                       "seconds": 600.0, "runs": 12}]  # fmt: skip
     # on-policy hits 0.5 at uses 1000 / rollouts 1000; y4-n4 at uses 1200 / rollouts 300
     # (saves 40% at mu = 1: 2000 -> 1500... and more at mu = 5.3); y16-n4 never gets there.
     shapes = {
@@ -263,6 +265,8 @@ def test_report_tables_best_cell_and_saving(tmp_path):
     block = rep.report(cache, hashes, grid.Sizing(), target=0.5, out=out, command="cmd",
                       n_boot=500)  # fmt: skip
     assert "| ppo-y1-n1 (on-policy) |" in block and "| ppo-y16-n4 |" in block
+    # Paths inside the checkout are quoted relative to it, others as they were given.
+    assert "`python tools/replay_sweep.py --cache docs/data/c.json --out /elsewhere/r.md`" in block
     assert "0/4" in block  # y16 never reached the target
     assert "best replay cell **ppo-y4-n4**" in block
     # mu = 1: (1200 + 300) / (1000 + 1000) -> 25% saved; mu = 5.3: (1200 + 1590) / 6300.

@@ -466,7 +466,7 @@ def _intro(
     lines = [
         "Runs: "
         + "; ".join(
-            f"`{' '.join(['python tools/replay_sweep.py', *map(shlex.quote, se['argv'])])}` "
+            f"`{' '.join(['python tools/replay_sweep.py', *(_quote(a) for a in se['argv'])])}` "
             f"({se['runs']} runs, {se['seconds'] / 60:.0f} min)"
             for se in cache.sessions
         )
@@ -498,6 +498,13 @@ def _intro(
             "",
         ]
     return lines
+
+
+def _quote(arg: str) -> str:
+    """A recorded argument as the report quotes it: paths inside the checkout relative to it
+    (the sweep may have run from another worktree or with absolute paths)."""
+    root = str(Path(__file__).resolve().parents[1]) + "/"
+    return shlex.quote(arg[len(root) :] if arg.startswith(root) else arg)
 
 
 def _saving_lines(
