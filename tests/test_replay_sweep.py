@@ -200,6 +200,23 @@ def test_target_and_compute_at_a_mu():
 
 
 # -- statistics ---------------------------------------------------------------------------------
+def test_measured_mu_leaves_out_starved_runs():
+    """mu is a ratio of wall-clock phases: a run starved of CPU (cpu_s well under wall_s)
+    stretches them unevenly, so the median is over the runs that had a core, when >= 3 did."""
+
+    def run(mu, cpu_share):
+        return {"mu": mu, "wall_s": 100.0, "cpu_s": 100.0 * cpu_share}
+
+    cell = grid.ONPOLICY
+    quiet = {0: run(1.0, 0.95), 1: run(1.2, 0.9), 2: run(1.1, 0.85)}
+    busy = {3: run(3.0, 0.4), 4: run(4.0, 0.5), 5: run(2.5, 0.3), 6: run(float("nan"), 1.0)}
+    assert rep.mu_runs({cell: {**quiet, **busy}}) == (pytest.approx(1.1), 3, 6)
+    # Fewer than 3 unstarved runs: every run counts (records without cpu_s count as starved).
+    two = {0: run(1.0, 0.95), 1: run(1.2, 0.9), 3: run(3.0, 0.4), 4: {"mu": 4.0, "wall_s": 1.0}}
+    assert rep.mu_runs({cell: two}) == (pytest.approx(2.1), 4, 4)
+    assert rep.measured_mu({cell: two}) == pytest.approx(2.1)
+
+
 def test_bootstrap_mean_interval():
     mean, lo, hi = rep.bootstrap_mean([1.0, 2.0, 3.0, 4.0, float("nan")], n_boot=4000)
     assert mean == 2.5 and 1.0 <= lo < mean < hi <= 4.0

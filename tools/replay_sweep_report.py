@@ -139,9 +139,21 @@ PANELS = [
 ]
 
 
+QUIET_SHARE = 0.8  # a run with at least this share of a core (CPU / wall seconds) ran unstarved
+
+
+def mu_runs(records: dict[Cell, dict[int, dict]]) -> tuple[float, int, int]:
+    """The measured mu, the median over the runs that had a core (``cpu_s >= QUIET_SHARE x
+    wall_s``: a starved run's wall-clock phases stretch unevenly with whatever else ran), or
+    over every run when fewer than 3 had one; with the number of runs used and of all runs."""
+    runs = [r for rr in records.values() for r in rr.values() if math.isfinite(r["mu"])]
+    quiet = [r for r in runs if r.get("cpu_s", 0.0) >= QUIET_SHARE * r["wall_s"]]
+    use = quiet if len(quiet) >= 3 else runs
+    return (float(np.median([r["mu"] for r in use])) if use else math.nan), len(use), len(runs)
+
+
 def measured_mu(records: dict[Cell, dict[int, dict]]) -> float:
-    mus = [r["mu"] for runs in records.values() for r in runs.values() if math.isfinite(r["mu"])]
-    return float(np.median(mus)) if mus else math.nan
+    return mu_runs(records)[0]
 
 
 def summarise_cells(
@@ -479,7 +491,8 @@ def _intro(
         f"({min(run_s):.0f}-{max(run_s):.0f}). Target: first eval whose 3-eval moving "
         f"average of held-out reward is >= {target}. Budget: compute of {sz.budget_rounds} on-policy rounds at mu = "
         f"{sz.mu_budget} per run. Measured mu (generation / training cost per rollout, median "
-        f"over runs): **{mu:.2f}** (runs' range {min(all_mu):.2f}-{max(all_mu):.2f}).",
+        f"over the runs that had >= {QUIET_SHARE:.0%} of a core, or all when fewer than 3 "
+        f"did): **{mu:.2f}** (runs' range {min(all_mu):.2f}-{max(all_mu):.2f}).",
         "",
     ]
     w = cache.warm

@@ -49,12 +49,14 @@ import numpy as np
 
 from tools.replay_sweep_grid import ONPOLICY, PAPER_MU, Cell, lr_name
 from tools.replay_sweep_report import (
+    QUIET_SHARE,
     bootstrap_mean,
     compute_of,
     fmt_ci,
     fmt_pct,
     hit,
     measured_mu,
+    mu_runs,
     saving,
 )
 from tools.replay_sweep_theory import theory_check, theory_lines
@@ -354,9 +356,22 @@ def plot_lr_curves(
 # -- the report's section -----------------------------------------------------------------------
 def tuning_mu(records: Records, tune_seeds: list[int]) -> float:
     """The measured mu of the tuned protocol: the median over the tuning runs only (fixed
-    before the fresh seeds ran)."""
+    before the fresh seeds ran; those that had a core, see ``mu_runs``)."""
+    return measured_mu(_tuning_runs(records, tune_seeds))
+
+
+def _mu_basis(used: int, total: int) -> str:
+    if used == total:
+        return "all of them"
+    return (
+        f"those with >= {QUIET_SHARE:.0%} of a core; {total - used} that ran on a busier "
+        "machine are left out, their wall-clock phases stretched unevenly"
+    )
+
+
+def _tuning_runs(records: Records, tune_seeds: list[int]) -> Records:
     tuned = {c: {s: r for s, r in runs.items() if s in tune_seeds} for c, runs in records.items()}
-    return measured_mu({c: runs for c, runs in tuned.items() if c.lr is not None})
+    return {c: runs for c, runs in tuned.items() if c.lr is not None}
 
 
 def tuned_section(
@@ -373,7 +388,7 @@ def tuned_section(
     """The report's lines on the tuned cells (those with an lr in their name): the
     compute-vs-lr tables, the fresh-seed table, the best tuned replay cell's saving at both
     mu and its sensitivity to the target."""
-    mu = tuning_mu(records, tune_seeds)
+    mu, used, total = mu_runs(_tuning_runs(records, tune_seeds))
     mus = {"measured": mu, "paper": PAPER_MU}
     choices = choose_all(records, lr_grid, tune_seeds, target, choice_mu)
     other = sorted(
@@ -389,7 +404,7 @@ def tuned_section(
         f"(most seeds reaching {target}, then lowest mean compute to target at mu = "
         f"{choice_mu}, then highest final reward, then the lower lr), and it ran at that lr on "
         f"the fresh seeds {', '.join(map(str, fresh_seeds))}. Measured mu: **{mu:.2f}** (median "
-        "over the tuning runs). The best replay cell at each mu is picked on the tuning seeds; "
+        f"over {used} of the {total} tuning runs: {_mu_basis(used, total)}). The best replay cell at each mu is picked on the tuning seeds; "
         "the savings are on the fresh seeds only.",
         "",
     ]
