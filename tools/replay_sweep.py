@@ -108,10 +108,13 @@ was not kept: a report written there from this cache would replace its tables).
 
 **A real model** (issue #30 item 4): ``--start base`` runs the cells from the ``--config``'s own
 model folder, task and eval settings (LoRA as it says; no warm start: ``RUN_ROOT/warm/warm.json``
-holds the base model's held-out pass@k), e.g. on-policy vs one tuned cell on SmolLM2::
+holds the base model's held-out pass@k), e.g. on-policy vs one tuned cell on SmolLM2. The tiny
+model's lrs do not carry over to a LoRA on SmolLM2 (its example trains at 5e-4), but their
+ratio can: name each arm's lr, on-policy at 5e-4 and the cell at 5e-4 x (the cell's tuned lr /
+on-policy's tuned lr), e.g. ``ppo-y1-n1-lr5e-4 asymre-pos50-y4-n16-lr2.5e-4``::
 
     python tools/replay_sweep.py --config examples/smollm2_arith.toml --start base \
-        --run-root runs/sweep_smollm2 --cells onpolicy CELL --seeds 0 1 2 \
+        --run-root runs/sweep_smollm2 --cells ppo-y1-n1-lr5e-4 CELL-lrX --seeds 0 1 2 \
         --prompts-per-round 8 --group-size 8 --batch-size 32 --budget-rounds 4 --evals 4 \
         --eval-prompts 64 --passk-prompts 32 --passk-samples 4 --lr 5e-4 \
         --out docs/results_smollm2_replay.md
