@@ -55,7 +55,6 @@ from tools.replay_sweep_report import (
     fmt_ci,
     fmt_pct,
     hit,
-    measured_mu,
     mu_runs,
     saving,
 )
@@ -354,12 +353,6 @@ def plot_lr_curves(
 
 
 # -- the report's section -----------------------------------------------------------------------
-def tuning_mu(records: Records, tune_seeds: list[int]) -> float:
-    """The measured mu of the tuned protocol: the median over the tuning runs only (fixed
-    before the fresh seeds ran; those that had a core, see ``mu_runs``)."""
-    return measured_mu(_tuning_runs(records, tune_seeds))
-
-
 def _mu_basis(used: int, total: int) -> str:
     if used == total:
         return "all of them"
