@@ -250,19 +250,24 @@ def lr_table_rows(
             cols.append(f"**{text}**" if p is not None and lr == ch.lr else text)
         chosen = lr_name(ch.lr) if ch.lr is not None else "incomplete"
         rows.append([cell.label(), *cols, chosen])
-    front = []
-    for lr in lr_grid:
-        ok = [
-            (p.compute(mu), c)
-            for c, ch in choices.items()
-            if not c.onpolicy
-            for p in ch.points
-            if p.lr == lr and p.reached == len(p.hits)
-        ]
-        front.append(f"{min(ok)[0]:,.0f} {min(ok)[1].name}" if ok else "-")
+    best_at = frontier(choices, mu)
+    front = [
+        f"{best_at[lr][0]:,.0f} {best_at[lr][1].name}" if lr in best_at else "-" for lr in lr_grid
+    ]
     b = best_tuned(choices, mu)
     rows.append(["replay frontier", *front, f"{b.cell.name} at {lr_name(b.lr)}" if b else "-"])
     return rows
+
+
+def frontier(choices: dict[Cell, LrChoice], mu: float) -> dict[float, tuple[float, Cell]]:
+    """The replay frontier: at each lr, the lowest mean compute to target among the replay
+    cells that reached the target on every tuning seed there, with that cell."""
+    best: dict[float, tuple[float, Cell]] = {}
+    for c, ch in choices.items():
+        for p in ch.points:
+            if not c.onpolicy and p.reached == len(p.hits):
+                best[p.lr] = min(best.get(p.lr, (math.inf, c)), (p.compute(mu), c))
+    return best
 
 
 def _point(p: LrPoint, mu: float) -> str:
@@ -322,7 +327,6 @@ def plot_lr_curves(
 
     fig, axes = plt.subplots(1, len(mus), figsize=(6.5 * len(mus), 5), squeeze=False)
     for ax, (tag, mu) in zip(axes.flat, mus.items()):
-        front: dict[float, float] = {}
         for cell, ch in choices.items():
             pts = [(p.lr, p.compute(mu)) for p in ch.points if p.reached == len(p.hits)]
             if not pts:
@@ -332,8 +336,7 @@ def plot_lr_curves(
                 ax.plot(x, y, "k-o", lw=2.5, label=f"{cell.label()}", zorder=3)
                 continue
             ax.plot(x, y, "-", marker=".", lw=0.8, alpha=0.6, label=cell.name)
-            for lr, c in pts:
-                front[lr] = min(front.get(lr, math.inf), c)
+        front = {lr: c for lr, (c, _) in frontier(choices, mu).items()}
         if front:
             fx = sorted(front)
             ax.plot(fx, [front[x] for x in fx], "r--", lw=2, label="replay frontier", zorder=2)
