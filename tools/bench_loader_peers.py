@@ -7,9 +7,14 @@ keys, and the first batch of each pair is checked equal, so both sides do the sa
 but the selection, the store reads and the caching. With workers, both sides run under a
 ``DataLoader`` with the same number of spawned workers.
 
-Run alone, it prints where one loader batch's time goes (selection, the take from the token
-cache, collate; collate again with every batch kept, as the comparison keeps them, so the
-first touch of fresh output memory shows), then the loader vs in-memory ratios::
+Both sides drop each batch once counted, as a training loop does; the "batches kept" rows
+hold them all (each batch then pays the first touch of fresh output memory, on both sides).
+Without workers the ratio is also given by this process's CPU time, which a busy machine
+disturbs far less than the wall clock.
+
+Run alone, it prints where one loader batch's CPU time goes (selection, the hand-over of the
+rows from the token cache, collate; collate again with every batch kept), then the loader vs
+in-memory ratios, batches dropped and kept::
 
     python tools/bench_loader_peers.py                        # 6,000 `table` rollouts, packed
     python tools/bench_loader_peers.py --workload long --padded --rollouts 3000
@@ -98,47 +103,71 @@ def _arrays(store: RolloutStore, ids: set[str]):
     return out, index
 
 
-def _timed(it, steps: int, warm: int) -> tuple[float, int, list]:
-    """(seconds, tokens, batches) for ``steps`` batches after ``warm`` warm-up ones (one per
-    worker: each spawned worker's start-up is not timed)."""
-    got = [next(it) for _ in range(warm)]
-    t0 = time.perf_counter()
+def _timed(it, steps: int, warm: int, keep: bool) -> dict:
+    """Time ``steps`` batches after ``warm`` warm-up ones (one per worker: each spawned
+    worker's start-up is not timed): wall and this process's CPU seconds (every thread; a
+    worker's CPU is not counted), tokens, each batch's rollout ids, and the first batch.
+    ``keep``: hold every batch until the end (fresh output memory for each, whose first touch
+    the batch pays) instead of dropping it as a training loop does."""
+    first = [next(it) for _ in range(warm)]
+    ids = [b.get("rollout_ids") for b in first]
+    kept = []
+    t0, c0 = time.perf_counter(), time.process_time()
     tokens = 0
     for _ in range(steps):
         b = next(it)
         tokens += b["num_tokens"]
-        got.append(b)
-    return time.perf_counter() - t0, tokens, got
+        ids.append(b.get("rollout_ids"))
+        if keep:
+            kept.append(b)
+        del b
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return {"wall": wall, "cpu": cpu, "tokens": tokens, "ids": ids, "first": first[0]}
 
 
-def one_case(store: RolloutStore, steps: int, pack: bool, workers: int) -> dict:
+def one_case(store: RolloutStore, steps: int, pack: bool, workers: int, keep: bool = False):
+    """The loader against the in-memory list on the same batches: tokens/s and their ratio,
+    by wall clock and (no workers) by this process's CPU time, which a busy machine disturbs
+    far less than the wall clock."""
     latest = int(store.sql("SELECT max(policy_version) AS v FROM rollouts")["v"][0].as_py())
+    warm = max(workers, 1)
     ds = ReplayDataset(
         store,
         ReplayConfig(window=WINDOW, max_staleness=STALENESS, seed=0),
         batch_size=BATCH,
         pack=pack,
         learner_version=latest,
-        steps=steps + max(workers, 1),
+        steps=steps + warm,
         record_usage=False,
     )
     it = iter(_loader(ds, workers))
-    secs, tokens, got = _timed(it, steps, max(workers, 1))
+    lo = _timed(it, steps, warm, keep)
     del it
-    ids = {r for b in got for r in b["rollout_ids"]}
-    (prompts, comps, lps), index = _arrays(store, ids)
-    batches = [[index[r] for r in b["rollout_ids"]] for b in got]
+    (prompts, comps, lps), index = _arrays(store, {r for b in lo["ids"] for r in b})
+    batches = [[index[r] for r in b] for b in lo["ids"]]
     base = _loader(MemoryBatches(prompts, comps, lps, batches, pack), workers)
-    m_secs, m_tokens, m_got = _timed(iter(base), steps, max(workers, 1))
-    assert m_tokens == tokens, (m_tokens, tokens)
+    mem = _timed(iter(base), steps, warm, keep)
+    assert mem["tokens"] == lo["tokens"], (mem["tokens"], lo["tokens"])
     for k in CHECKED:
-        assert torch.equal(got[0][k], m_got[0][k]), f"loader and baseline differ in {k}"
-    return {
+        assert torch.equal(lo["first"][k], mem["first"][k]), f"loader and baseline differ in {k}"
+    tokens = lo["tokens"]
+    out = {
         "tokens": tokens,
-        "loader_tok_s": tokens / secs,
-        "memory_tok_s": tokens / m_secs,
-        "ratio": (tokens / secs) / (tokens / m_secs),
+        "loader_tok_s": tokens / lo["wall"],
+        "memory_tok_s": tokens / mem["wall"],
+        "ratio": mem["wall"] / lo["wall"],
     }
+    if workers == 0:
+        out["cpu_ratio"] = mem["cpu"] / lo["cpu"]
+    return out
+
+
+def describe(r: dict) -> str:
+    cpu = f"; by CPU time {r['cpu_ratio']:.2f}" if "cpu_ratio" in r else ""
+    return (
+        f"{r['loader_tok_s'] / 1e6:.2f} M tok/s vs in-memory list {r['memory_tok_s'] / 1e6:.2f}"
+        f" M tok/s: {r['ratio']:.2f}{cpu}"
+    )
 
 
 def _loader(ds, workers: int):
@@ -148,19 +177,22 @@ def _loader(ds, workers: int):
 
 
 def loader_section(store: RolloutStore, steps: int) -> dict:
+    """Padded and packed, no workers and 2: batches dropped as a training loop drops them;
+    with no workers also kept (each batch's first touch of fresh memory then shows)."""
     out = {}
     for pack in (False, True):
-        for workers in (0, 2):
+        for workers, keep in ((0, False), (0, True), (2, False)):
             key = f"{'packed' if pack else 'padded'}, {workers or 'no'} workers"
-            out[key] = one_case(store, steps, pack, workers)
-            print(f"  loader {key}: ratio {out[key]['ratio']:.2f}", flush=True)
+            key += ", batches kept" if keep else ""
+            out[key] = one_case(store, steps, pack, workers, keep)
+            print(f"  loader {key}: {describe(out[key])}", flush=True)
     return out
 
 
 def loader_phases(store: RolloutStore, steps: int, pack: bool) -> dict[str, float]:
-    """Milliseconds per batch of each step of a loader batch, the buffer already cached:
-    selection, the take from the token cache, collate (batches dropped), and collate with
-    every batch kept alive (fresh output memory each time, as :func:`one_case` keeps them)."""
+    """CPU milliseconds per batch of each step of a loader batch, the buffer already cached:
+    selection, the rows' hand-over from the token cache (offsets into it, no copy), collate
+    (batches dropped), and collate with every batch kept alive (fresh output memory each)."""
     from rolloutstore.replay.collate import collate
     from rolloutstore.replay.loader import TokenCache
     from rolloutstore.replay.selector import Selector
@@ -169,24 +201,24 @@ def loader_phases(store: RolloutStore, steps: int, pack: bool) -> dict[str, floa
     sel = Selector(store, ReplayConfig(window=WINDOW, max_staleness=STALENESS, seed=0),
                    record_usage=False)  # fmt: skip
     cache = TokenCache(store, 10**9)
-    cache.rows(sel.sample(BATCH, latest, learner_step=0))  # fills the cache with the buffer
-    total = dict.fromkeys(("select", "take", "collate", "collate, batches kept"), 0.0)
+    cache.token_rows(sel.sample(BATCH, latest, learner_step=0))  # caches the whole buffer
+    total = dict.fromkeys(("select", "hand-over", "collate", "collate, batches kept"), 0.0)
     kept = []
     for i in range(1, 2 * steps + 1):
         keep = i > steps
-        t0 = time.perf_counter()
+        t0 = time.thread_time()
         s = sel.sample(BATCH, latest, learner_step=i)
-        t1 = time.perf_counter()
+        t1 = time.thread_time()
         idx = np.arange(len(s))
-        rows = cache.rows(s, idx)
-        t2 = time.perf_counter()
+        rows = cache.token_rows(s, idx)
+        t2 = time.thread_time()
         batch = collate(rows, s, idx, pack=pack)
-        t3 = time.perf_counter()
+        t3 = time.thread_time()
         if keep:
             kept.append(batch)
         else:
             total["select"] += t1 - t0
-            total["take"] += t2 - t1
+            total["hand-over"] += t2 - t1
         total["collate, batches kept" if keep else "collate"] += t3 - t2
     return {k: v / steps * 1000 for k, v in total.items()}
 
@@ -208,12 +240,12 @@ def main(argv: list[str] | None = None) -> int:
         pack = not args.padded
         phases = loader_phases(store, args.steps, pack)
         print(f"{args.workload}, {args.rollouts:,} rollouts, {'packed' if pack else 'padded'} "
-              f"batches of {BATCH}: ms per batch")  # fmt: skip
+              f"batches of {BATCH}: CPU ms per batch")  # fmt: skip
         for k, v in phases.items():
             print(f"  {k:<24} {v:6.2f}")
-        r = one_case(store, args.steps, pack, 0)
-        print(f"loader {r['loader_tok_s'] / 1e6:.1f} M tok/s vs in-memory list "
-              f"{r['memory_tok_s'] / 1e6:.1f} M tok/s: {r['ratio']:.2f}")  # fmt: skip
+        for keep in (False, True):
+            r = one_case(store, args.steps, pack, 0, keep)
+            print(f"loader, batches {'kept' if keep else 'dropped'}: {describe(r)}")
     return 0
 
 

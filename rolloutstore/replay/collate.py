@@ -8,6 +8,7 @@ budgets and micro-batches count every token (they bound memory)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -48,39 +49,67 @@ def _flat(col: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, np.ndarray]:
     return values, offsets
 
 
-def _segment_index(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """For sequences of ``lengths``: (sequence index, position within it) of every element."""
-    total = int(lengths.sum())
-    seq = np.repeat(np.arange(len(lengths)), lengths)
-    starts = np.zeros(len(lengths), np.int64)
-    np.cumsum(lengths[:-1], out=starts[1:])
-    pos = np.arange(total, dtype=np.int64) - np.repeat(starts, lengths)
-    return seq, pos
+# Each row's sampler settings as numpy: (dtype, the value a null means).
+_SAMPLING_NULLS = {
+    "temperature": (np.float32, np.nan),
+    "top_k": (np.int64, 0),
+    "top_p": (np.float32, 1.0),
+}
 
 
-def _sampling(rows: pa.Table) -> dict[str, Any]:
-    """Per-row ``temperature`` (NaN: unknown), ``top_k`` (0: none), ``top_p`` (1: none) tensors
-    and the ``logprobs_mode`` list (None: unknown); columns a table lacks are left out."""
-    out: dict[str, Any] = {}
-    defaults = {
-        "temperature": (np.float32, np.nan),
-        "top_k": (np.int64, 0),
-        "top_p": (np.float32, 1.0),
-    }
-    for name, (dtype, null) in defaults.items():
-        if name in rows.column_names:
-            values = rows[name].fill_null(null).to_numpy(zero_copy_only=False)
-            out[name] = torch.from_numpy(np.array(values, dtype=dtype))
-    if "logprobs_mode" in rows.column_names:
-        out["logprobs_mode"] = rows["logprobs_mode"].to_pylist()
-    return out
+@dataclass(frozen=True)
+class TokenRows:
+    """Rows' token lists as views into flat buffers, handed to :func:`collate` without a copy.
+
+    ``lists[name] = (values, starts, lengths)``: row ``k``'s list is
+    ``values[starts[k] : starts[k] + lengths[k]]`` (``loss_mask`` may be absent: all ones).
+    ``sampling``: per-row ``temperature`` (NaN: unknown), ``top_k`` (0: none), ``top_p``
+    (1: none) and ``logprobs_mode`` (object array, None: unknown), for the columns present.
+    :meth:`take` selects rows by index arithmetic alone, so the token cache hands a batch
+    over without gathering its tokens twice (the layout is the one copy)."""
+
+    lists: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]
+    sampling: dict[str, np.ndarray]
+
+    def __len__(self) -> int:
+        return len(self.lists["prompt_ids"][1])
+
+    @classmethod
+    def of_table(cls, rows: pa.Table) -> TokenRows:
+        lists = {}
+        for name in TOKEN_COLUMNS:
+            if name in rows.column_names:
+                values, offsets = _flat(rows[name])
+                lists[name] = (values, offsets[:-1], np.diff(offsets))
+        sampling = {}
+        for name, (dtype, null) in _SAMPLING_NULLS.items():
+            if name in rows.column_names:
+                values = rows[name].fill_null(null).to_numpy(zero_copy_only=False)
+                sampling[name] = np.array(values, dtype=dtype)  # writable: torch shares it
+        if "logprobs_mode" in rows.column_names:
+            sampling["logprobs_mode"] = np.asarray(rows["logprobs_mode"].to_pylist(), object)
+        return cls(lists, sampling)
+
+    def take(self, idx: np.ndarray) -> TokenRows:
+        """Rows ``idx``, in that order (the token values are not copied)."""
+        lists = {k: (v, s[idx], n[idx]) for k, (v, s, n) in self.lists.items()}
+        return TokenRows(lists, {k: v[idx] for k, v in self.sampling.items()})
+
+    def lengths(self) -> np.ndarray:
+        """Each row's prompt + completion tokens."""
+        return self.lists["prompt_ids"][2] + self.lists["completion_ids"][2]
 
 
-def collate(rows: pa.Table, sel: Selection, idx: np.ndarray, *, pack: bool) -> dict[str, Any]:
+def collate(
+    rows: pa.Table | TokenRows, sel: Selection, idx: np.ndarray, *, pack: bool
+) -> dict[str, Any]:
     """Tensors for rows ``idx`` of ``sel``; ``rows`` holds exactly those rows, in that order."""
+    if isinstance(rows, pa.Table):
+        rows = TokenRows.of_table(rows)
     adv = np.nan_to_num(sel.advantages[idx].astype(np.float32))
-    out, lengths, num_loss_tokens = _token_tensors(rows, adv, pack)
-    out.update(_sampling(rows))
+    out, lengths = _token_tensors(rows, adv, pack)
+    for name, values in rows.sampling.items():
+        out[name] = values.tolist() if name == "logprobs_mode" else torch.from_numpy(values)
     rewards = sel.rewards[idx].astype(np.float32)
     out.update(
         policy_version=torch.from_numpy(sel.policy_version[idx].copy()),
@@ -89,7 +118,7 @@ def collate(rows: pa.Table, sel: Selection, idx: np.ndarray, *, pack: bool) -> d
         rewards=torch.from_numpy(rewards),
         seq_advantages=torch.from_numpy(adv),
         num_tokens=int(lengths.sum()),
-        num_loss_tokens=num_loss_tokens,
+        num_loss_tokens=int(np.count_nonzero(out["loss_mask"].numpy())),
         rollout_ids=[sel.rollout_ids[i] for i in idx],
         run_ids=[sel.run_ids[i] for i in idx],
         step=sel.step,
@@ -106,92 +135,97 @@ def collate(rows: pa.Table, sel: Selection, idx: np.ndarray, *, pack: bool) -> d
     return out
 
 
+def _concat(pieces: list[np.ndarray], size: int, dtype) -> np.ndarray:
+    """``pieces`` (``size`` values in all) laid end to end in a new array of ``dtype``."""
+    out = np.empty(size, dtype)
+    if size:
+        np.concatenate(pieces, out=out, casting="same_kind")
+    return out
+
+
 def _token_tensors(
-    rows: pa.Table, adv: np.ndarray, pack: bool
-) -> tuple[dict[str, Any], np.ndarray, int]:
-    """The per-token tensors of ``rows`` (one pass that pads or packs them all together, so
-    the layouts cannot drift apart), with ``adv`` (one per row) spread over each completion;
-    also each row's length and the number of loss tokens."""
-    p_vals, p_off = _flat(rows["prompt_ids"])
-    c_vals, c_off = _flat(rows["completion_ids"])
-    l_vals, l_off = _flat(rows["behavior_logprobs"])
-    p_len, c_len = np.diff(p_off), np.diff(c_off)
-    p_vals = p_vals[p_off[0] : p_off[-1]]
-    c_vals = c_vals[c_off[0] : c_off[-1]]
-    l_vals = l_vals[l_off[0] : l_off[-1]]
-    if "loss_mask" in rows.column_names:  # 1: the policy's token, 0: tool / environment
-        m_vals, m_off = _flat(rows["loss_mask"])
-        m_vals = m_vals[m_off[0] : m_off[-1]].astype(np.float32)
-    else:
-        m_vals = np.ones(len(c_vals), np.float32)
+    rows: TokenRows, adv: np.ndarray, pack: bool
+) -> tuple[dict[str, Any], np.ndarray]:
+    """The per-token tensors of ``rows`` with ``adv`` (one per row) spread over each completion,
+    and each row's length. One description of each row's cells lays out every grid, padded or
+    packed, so the layouts cannot drift apart; each grid is one ``np.concatenate`` of views
+    (its only copy of the tokens) or one ``np.repeat``."""
+    p_vals, p_start, p_len = rows.lists["prompt_ids"]
+    c_vals, c_start, c_len = rows.lists["completion_ids"]
     lengths = p_len + c_len
+    n, total = len(lengths), int(lengths.sum())
     # At least one column, so that an empty shard (world_size > rows) or a row without
     # tokens (stores from before append refused them) gives empty tensors, never a crash.
-    width = max(int(lengths.sum()) if pack else int(lengths.max(initial=0)), 1)
-    adv_vals = np.repeat(adv, c_len)
-    unscored = None
-    if (p_len == 0).any():  # stores from before append refused empty prompts
-        # A completion token with no token before it (empty prompt) cannot be scored.
-        first = np.repeat(p_len == 0, c_len) & (_segment_index(c_len)[1] == 0)
-        l_vals, m_vals, adv_vals = l_vals[~first], m_vals[~first], adv_vals[~first]
-        unscored = (p_len == 0) & (c_len > 0)
-    out = _layout(p_vals, c_vals, (m_vals, l_vals, adv_vals), p_len, c_len, width, pack, unscored)
-    return out, lengths, int(np.count_nonzero(m_vals))
-
-
-def _layout(p_vals, c_vals, targets, p_len, c_len, width, pack, unscored):
-    """The padded or packed grid: one small code per cell (0 prompt, 1 completion, 2 padding)
-    from one ``np.repeat``, and boolean-mask writes, which keep the values' order. ``targets``
-    (loss mask, log-probs, advantages) hold one value per scored completion token, in order;
-    ``unscored``: rows whose first completion token has no token before it (None: none)."""
-    n = len(p_len)
+    width = max(total if pack else int(lengths.max(initial=0)), 1)
     rows_out = 1 if pack else n
-    runs = np.stack([p_len, c_len, np.zeros(n, np.int64) if pack else width - p_len - c_len], 1)
-    code = np.repeat(np.tile(np.array([0, 1, 2], np.int8), n), runs.ravel())
-    if pack:
-        code = np.concatenate([code, np.full(width - len(code), 2, np.int8)])
-    code = code.reshape(rows_out, width)
-    input_ids = np.zeros((rows_out, width), np.int64)
-    input_ids[code == 0] = p_vals
-    input_ids[code == 1] = c_vals
-    # Column t of the targets scores token t+1: a completion token's cell, one to the left.
-    # A padded row's first cell has no column; a packed row's would score the row before's
-    # last token, so an empty-prompt row's first completion token is taken out there.
-    scored = code[:, 1:] == 1
-    if pack and unscored is not None:
-        starts = np.cumsum(p_len + c_len) - (p_len + c_len)
-        scored[0, starts[unscored & (starts > 0)] - 1] = False
-    grids = []
-    for values in targets:
-        grid = np.zeros((rows_out, width - 1), np.float32)
-        grid[scored] = values
-        grids.append(torch.from_numpy(grid))
-    out: dict[str, Any] = {"input_ids": torch.from_numpy(input_ids)}
-    out.update(zip(("loss_mask", "behavior_logprobs", "advantages"), grids, strict=True))
-    out.update(_positions(p_len + c_len, width, pack))
-    return out
+    # Token grid: row k's prompt, its completion, then padding to the width (packed: only
+    # after the last row).
+    pad = np.zeros(n, np.int64) if pack else width - lengths
+    # Target grid (column t scores token t+1): `lead` unscored cells (the prompt's tokens
+    # after its first), then one value per scored completion token, then `tail` zeros to
+    # the row's end. A completion token with no token before it (empty prompt: stores from
+    # before append refused them) cannot be scored, and a packed row's cell that would
+    # score the next row's first token holds 0; the packed grid ends one cell early.
+    lead = np.maximum(p_len - 1, 0)
+    skip = ((p_len == 0) & (c_len > 0)).astype(np.int64)
+    scored = c_len - skip
+    tail = (lengths if pack else width - 1) - lead - scored
+    size = rows_out * (width - 1)
 
+    def spread(name: str) -> np.ndarray:
+        values, start, _ = rows.lists[name]
+        zeros = np.zeros(int(max(lead.max(initial=0), tail.max(initial=0))), np.float32)
+        pieces = []
+        for s, a, k, t in zip(
+            (start + skip).tolist(), lead.tolist(), scored.tolist(), tail.tolist()
+        ):
+            pieces += (zeros[:a], values[s : s + k], zeros[:t])
+        return _concat(pieces, total if pack else size, np.float32)[:size]
 
-def _positions(lengths: np.ndarray, width: int, pack: bool) -> dict[str, torch.Tensor]:
-    """``position_ids`` and ``attention_mask`` of sequences of ``lengths`` in rows of
-    ``width`` (packed: one row, positions restarting per sequence, plus ``cu_seqlens``)."""
-    out: dict[str, torch.Tensor] = {}
+    def cells(per_row: list[np.ndarray], dtype) -> np.ndarray:
+        runs = np.stack([lead, scored, tail], 1).ravel()
+        values = np.stack([np.zeros(n, dtype), *per_row, np.zeros(n, dtype)], 1).ravel()
+        return np.repeat(values, runs)[:size] if n else np.zeros(size, dtype)
+
+    if "loss_mask" in rows.lists:  # 1: the policy's token, 0: tool / environment
+        mask = spread("loss_mask")
+    else:
+        mask = cells([np.ones(n, np.float32)], np.float32)
+    zeros = np.zeros(int(max(pad.max(initial=0), width - total)), np.int64)
+    ids, positions = [], []
+    counting = np.arange(int(lengths.max(initial=0)), dtype=np.int64)
+    for ps, pl, cs, cl, m, z in zip(
+        p_start.tolist(), p_len.tolist(), c_start.tolist(), c_len.tolist(),
+        lengths.tolist(), pad.tolist(),
+    ):  # fmt: skip
+        ids += (p_vals[ps : ps + pl], c_vals[cs : cs + cl], zeros[:z])
+        positions += (counting[:m], zeros[:z])
     if pack:
-        shape = (1, width)
-        pos_all = np.zeros(width, np.int64)
-        pos_all[: int(lengths.sum())] = _segment_index(lengths)[1]
-        out["position_ids"] = torch.from_numpy(pos_all.reshape(shape))
-        out["attention_mask"] = torch.from_numpy(
-            (np.arange(width) < int(lengths.sum())).astype(np.int64).reshape(shape)
-        )
-        cu = np.zeros(len(lengths) + 1, np.int32)
+        ids.append(zeros[: width - total])
+        positions.append(zeros[: width - total])
+    grid = (rows_out, width)
+    out: dict[str, Any] = {
+        "input_ids": torch.from_numpy(_concat(ids, rows_out * width, np.int64).reshape(grid)),
+        "position_ids": torch.from_numpy(
+            _concat(positions, rows_out * width, np.int64).reshape(grid)
+        ),
+        "attention_mask": torch.from_numpy(
+            np.repeat(
+                np.tile(np.array([1, 0], np.int64), rows_out),
+                np.stack([[total], [width - total]], 1).ravel()
+                if pack
+                else np.stack([lengths, pad], 1).ravel(),
+            ).reshape(grid)
+        ),
+    }
+    targets = (mask, spread("behavior_logprobs"), cells([adv], np.float32))
+    for name, values in zip(("loss_mask", "behavior_logprobs", "advantages"), targets, strict=True):
+        out[name] = torch.from_numpy(values.reshape(rows_out, width - 1))
+    if pack:
+        cu = np.zeros(n + 1, np.int32)
         np.cumsum(lengths, out=cu[1:])
         out["cu_seqlens"] = torch.from_numpy(cu)
-    else:
-        am = (np.arange(width)[None, :] < lengths[:, None]).astype(np.int64)
-        out["attention_mask"] = torch.from_numpy(am)
-        out["position_ids"] = torch.from_numpy(np.arange(width)[None, :] * am)
-    return out
+    return out, lengths
 
 
 def micro_batches(lengths: np.ndarray, max_tokens: int) -> list[np.ndarray]:

@@ -16,10 +16,21 @@ import pyarrow.compute  # noqa: F401  (pa.compute)
 from rolloutstore.replay.config import ReplayConfig
 
 
-def _gumbel_order(logp: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-    """A random order that is sampling without replacement with probabilities ~ exp(logp)."""
-    keys = logp + rng.gumbel(size=len(logp))
-    return np.argsort(-keys, kind="stable")
+def _gumbel_order(logp: np.ndarray, rng: np.random.Generator, k: int | None = None) -> np.ndarray:
+    """A random order that is sampling without replacement with probabilities ~ exp(logp);
+    with ``k``, only its first ``k`` (the same rows, and the generator moves on the same)."""
+    neg = -(logp + rng.gumbel(size=len(logp)))
+    if k is None or k >= len(neg):
+        return np.argsort(neg, kind="stable")
+    if k <= 0:
+        return np.zeros(0, np.int64)
+    kth = np.partition(neg, k - 1)[k - 1]
+    if np.isnan(kth):
+        return np.argsort(neg, kind="stable")[:k]
+    # Every row of the full order's first k, ties at the k-th key included, in index order:
+    # a stable sort of them is the full stable sort's prefix.
+    top = np.flatnonzero(neg <= kth)
+    return top[np.argsort(neg[top], kind="stable")[:k]]
 
 
 def _take_in_order(order, n, prompts, cap, taken_prompts) -> np.ndarray:
@@ -159,7 +170,8 @@ class _Side:
             p = probs[remaining] / probs[remaining].sum()
             order = rng.choice(remaining, size=rest * 4 + 16, p=p)
         else:
-            order = remaining[_gumbel_order(lp[remaining], rng)]
+            # Without a per-prompt cap only the first `rest` of the order are taken.
+            order = remaining[_gumbel_order(lp[remaining], rng, rest if cap is None else None)]
         rest_idx = _take_in_order(order, rest, prompts, cap, self.taken)
         return rows[np.concatenate([chosen, rest_idx])].astype(np.int64), len(chosen)
 
@@ -169,7 +181,7 @@ class _Side:
         instead and interleaved at their share of the pool."""
         cfg, rng = self.cfg, self.rng
         pool_n = min(len(remaining), cfg.diversity_pool * max(rest, 1))
-        pool = remaining[_gumbel_order(lp[remaining], rng)[:pool_n]]
+        pool = remaining[_gumbel_order(lp[remaining], rng, pool_n)]
         has = self.has_embedding[rows[pool]]
         placed, unplaced = pool[has], pool[~has]
         order = placed[_farthest_point(self.embeddings(self.cand, rows[placed]), rest, rng)]

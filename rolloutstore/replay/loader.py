@@ -52,11 +52,17 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from rolloutstore.facade import RolloutStore
-from rolloutstore.replay.collate import SAMPLING_COLUMNS, TOKEN_COLUMNS, collate, micro_batches
+from rolloutstore.replay.collate import (
+    SAMPLING_COLUMNS,
+    TOKEN_COLUMNS,
+    TokenRows,
+    collate,
+    micro_batches,
+)
 from rolloutstore.replay.config import ReplayConfig
 from rolloutstore.replay.selector import Selection, Selector
 
-__all__ = ["ReplayDataset", "TokenCache", "collate", "micro_batches"]
+__all__ = ["ReplayDataset", "TokenCache", "TokenRows", "collate", "micro_batches"]
 
 # Prefetch threads still running: stopped and joined at interpreter exit.
 _PREFETCHERS: weakref.WeakSet = weakref.WeakSet()
@@ -126,18 +132,38 @@ class TokenCache:
         self.addr = np.zeros(0, np.uint64)  # aligned with self.table rows
         self.table: pa.Table | None = None
         self._order: np.ndarray | None = None  # argsort of addr
+        self._views: TokenRows | None = None  # self.table as TokenRows, made on first use
 
     def rows(self, sel: Selection, idx: np.ndarray | None = None) -> pa.Table:
         """Token columns of selection rows ``idx`` (all rows when None), in that order."""
         need = sel.row_addresses if idx is None else sel.row_addresses[idx]
-        if sel.buffer_addresses is None or sel.buffer_tokens > self.max_tokens:
+        pos = self._positions(sel, need)
+        if pos is None:
             return self.store.take_rows(need, columns=TOKEN_COLUMNS + SAMPLING_COLUMNS)
+        return self.table.take(pa.array(pos, pa.int64()))
+
+    def token_rows(self, sel: Selection, idx: np.ndarray | None = None) -> TokenRows:
+        """:meth:`rows` as views for :func:`collate`: from the cache, row offsets only."""
+        need = sel.row_addresses if idx is None else sel.row_addresses[idx]
+        pos = self._positions(sel, need)
+        if pos is None:
+            return TokenRows.of_table(
+                self.store.take_rows(need, columns=TOKEN_COLUMNS + SAMPLING_COLUMNS)
+            )
+        if self._views is None:
+            self._views = TokenRows.of_table(self.table)
+        return self._views.take(pos)
+
+    def _positions(self, sel: Selection, need: np.ndarray) -> np.ndarray | None:
+        """Cache rows of addresses ``need`` (None: the buffer is not cached)."""
+        if sel.buffer_addresses is None or sel.buffer_tokens > self.max_tokens:
+            return None
         pos = self._lookup(need)
         if pos is None:
             self._load(sel.buffer_addresses)
             pos = self._lookup(need)
             assert pos is not None, "selected rows must lie in the buffer"
-        return self.table.take(pa.array(pos, pa.int64()))
+        return pos
 
     def _lookup(self, need: np.ndarray) -> np.ndarray | None:
         if self._order is None:
@@ -160,7 +186,7 @@ class TokenCache:
         # (a take across chunks resolves each row's chunk first, and copies more).
         self.table = table.combine_chunks()
         self.addr = np.concatenate([self.addr, missing])
-        self._order = None
+        self._order = self._views = None
 
 
 class ReplayDataset(IterableDataset):
@@ -263,17 +289,11 @@ class ReplayDataset(IterableDataset):
 
     def _build(self, step: int, sel: Selection, cache: TokenCache):
         shard = np.arange(self.rank, len(sel), self.world_size)
-        rows = cache.rows(sel, shard)
+        rows = cache.token_rows(sel, shard)
         if self.micro_batch_tokens is None:
             return self._finish(collate(rows, sel, shard, pack=self.pack))
-        p = rows["prompt_ids"].combine_chunks()
-        c = rows["completion_ids"].combine_chunks()
-        lengths = np.diff(p.offsets.to_numpy()) + np.diff(c.offsets.to_numpy())
-        parts = micro_batches(lengths, self.micro_batch_tokens)
-        mbs = [
-            self._finish(collate(rows.take(pa.array(g)), sel, shard[g], pack=self.pack))
-            for g in parts
-        ]
+        parts = micro_batches(rows.lengths(), self.micro_batch_tokens)
+        mbs = [self._finish(collate(rows.take(g), sel, shard[g], pack=self.pack)) for g in parts]
         total = sum(mb["num_loss_tokens"] for mb in mbs)
         for mb in mbs:
             mb["step_loss_tokens"] = total

@@ -156,6 +156,7 @@ def rollout_schema(
     return _schema(columns(version), meta, embedding_dim)
 
 
+@functools.cache
 def table_schema(name: str) -> pa.Schema:
     """Arrow schema of an auxiliary table (``usage``, ``lineage``, ``rewards``) in the schema file."""
     cols = [ColumnSpec(**c) for c in spec()["tables"][name]]

@@ -5,6 +5,7 @@ rows are never rewritten; these logs are how sampling, resumes and re-scoring re
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Sequence
 from datetime import UTC, datetime
 
@@ -59,6 +60,13 @@ def open_table(uri: str, name: str, storage_options: dict | None) -> lance.Lance
     target = join(uri, {"rewards": REWARDS, "lineage": LINEAGE}[name])
     if exists(target, storage_options):
         return lance.dataset(target, storage_options=storage_options)
+    return _empty(name)
+
+
+@functools.cache
+def _empty(name: str) -> pa.Table:
+    """An empty side table (immutable, so one per name serves every caller: the selector
+    asks for the rewards table at every draw)."""
     return S.table_schema(name).empty_table()
 
 

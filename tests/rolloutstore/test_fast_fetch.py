@@ -5,13 +5,17 @@ rows whose token lists hold one token (append refuses empty ones), and an empty 
 from __future__ import annotations
 
 import numpy as np
+import pyarrow as pa
 import pytest
 import torch
 from helpers import make_rows
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rolloutstore import ReplayConfig, ReplayDataset, RolloutStore, Selector
-from rolloutstore.replay.collate import TOKEN_COLUMNS, collate
+from rolloutstore.replay.collate import TOKEN_COLUMNS, TokenRows, collate
 from rolloutstore.replay.loader import TokenCache
+from rolloutstore.replay.selection import Selection
 
 COLS = TOKEN_COLUMNS + ["temperature"]
 
@@ -67,7 +71,14 @@ def test_token_cache_matches_take_rows_over_many_draws(store):
         s = sel.sample(17, latest, learner_step=step)
         idx = np.arange(len(s))[::-1]  # any order of the selection's rows
         got = cache.rows(s, idx).select(COLS).to_pylist()
-        assert got == _reference_rows(ref, s.row_addresses[idx])
+        want = _reference_rows(ref, s.row_addresses[idx])
+        assert got == want
+        views = cache.token_rows(s, idx)  # what the loader collates: offsets into the cache
+        for name in TOKEN_COLUMNS:
+            values, start, length = views.lists[name]
+            lists = [values[a : a + b].tolist() for a, b in zip(start, length, strict=True)]
+            assert lists == [r[name] for r in want], name
+        assert views.sampling["temperature"].tolist() == [r["temperature"] for r in want]
 
 
 def _reference_collate(rows: list[dict], adv: np.ndarray, pack: bool) -> dict[str, np.ndarray]:
@@ -132,3 +143,86 @@ def test_collate_of_an_empty_shard_and_of_one_row(store):
     one = collate(cache.rows(sel, np.arange(1)), sel, np.arange(1), pack=True)
     assert one["input_ids"].shape[0] == 1 and one["cu_seqlens"].tolist()[0] == 0
     assert torch.equal(one["attention_mask"], torch.ones_like(one["input_ids"]))
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    rows=st.lists(
+        st.tuples(st.integers(0, 5), st.lists(st.integers(0, 1), max_size=5)),
+        min_size=1,
+        max_size=7,
+    ),
+    pack=st.booleans(),
+    data=st.data(),
+)
+def test_collate_of_views_equals_the_reference_for_any_lengths(rows, pack, data):
+    """Any lengths (empty prompts and completions too, as stores from before append refused
+    them hold), multi-turn loss masks, rows taken in any order: the views the token cache
+    hands over collate exactly as the reference lays the rows out, and as the table does."""
+    n = len(rows)
+    plain = [
+        {
+            "prompt_ids": list(range(1, p + 1)),
+            "completion_ids": [100 + j for j in range(len(m))],
+            "behavior_logprobs": [-(j + 1) / 8 for j in range(len(m))],
+            "loss_mask": m,
+            "temperature": 0.5 + k,
+        }
+        for k, (p, m) in enumerate(rows)
+    ]
+    table = pa.table(
+        {
+            "prompt_ids": pa.array([r["prompt_ids"] for r in plain], pa.list_(pa.int32())),
+            "completion_ids": pa.array([r["completion_ids"] for r in plain], pa.list_(pa.int32())),
+            "behavior_logprobs": pa.array(
+                [r["behavior_logprobs"] for r in plain], pa.list_(pa.float32())
+            ),
+            "loss_mask": pa.array([r["loss_mask"] for r in plain], pa.list_(pa.int8())),
+            "temperature": pa.array([r["temperature"] for r in plain], pa.float32()),
+        }
+    )
+    order = np.asarray(data.draw(st.permutations(range(n))), np.int64)
+    sel = Selection(
+        row_addresses=np.arange(n, dtype=np.uint64),
+        rollout_ids=[f"r{i}" for i in range(n)],
+        weights=np.ones(n, np.float32),
+        staleness=np.zeros(n, np.int64),
+        policy_version=np.zeros(n, np.int64),
+        prompt_ids=[f"p{i}" for i in range(n)],
+        run_ids=["t"] * n,
+        rewards=np.ones(n, np.float32),
+        advantages=np.linspace(-1, 1, n).astype(np.float32),
+    )
+    views = collate(TokenRows.of_table(table).take(order), sel, order, pack=pack)
+    whole = collate(table.take(pa.array(order)), sel, order, pack=pack)
+    want = _reference_collate([plain[i] for i in order], sel.advantages[order], pack)
+    for key, value in want.items():
+        assert np.array_equal(views[key].numpy(), value), key
+        assert np.array_equal(whole[key].numpy(), value), key
+    assert views["num_loss_tokens"] == int(want["loss_mask"].sum())
+    assert views["num_tokens"] == sum(len(r["prompt_ids"]) + len(r["loss_mask"]) for r in plain)
+    assert views["temperature"].tolist() == [plain[i]["temperature"] for i in order]
+    assert np.array_equal(views["attention_mask"].numpy(), whole["attention_mask"].numpy())
+    if pack:
+        assert views["attention_mask"].numpy().sum() == views["num_tokens"]
+        assert views["cu_seqlens"].tolist()[-1] == views["num_tokens"]
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    logp=st.lists(st.sampled_from([0.0, -1.0, 2.5, -np.inf]), min_size=1, max_size=60),
+    k=st.integers(0, 70),
+    seed=st.integers(0, 2**16),
+)
+def test_the_first_k_of_a_draw_order_are_the_full_orders_first_k(logp, k, seed):
+    """The partial order the draw takes without a per-prompt cap: the same rows in the same
+    order as the full stable order's prefix (ties, -inf priorities), and the generator
+    left in the same state, so later draws of the batch do not change."""
+    from rolloutstore.replay.draw import _gumbel_order
+
+    logp = np.asarray(logp)
+    full_rng, part_rng = np.random.default_rng(seed), np.random.default_rng(seed)
+    full = _gumbel_order(logp, full_rng)
+    part = _gumbel_order(logp, part_rng, k)
+    assert part.tolist() == full[:k].tolist()
+    assert full_rng.random() == part_rng.random()
