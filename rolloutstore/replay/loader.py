@@ -4,9 +4,10 @@ Each step ``s`` the selector draws one *global* selection (a pure function of
 seed, step, store version and config); rank ``r`` of ``world_size`` keeps rows
 ``r::world_size`` of it, so ranks never hand out the same rollout in one step.
 DataLoader workers split steps (worker ``w`` builds steps ``w, w+W, ...``; the
-DataLoader interleaves them back in order). Every worker replays the cheap
-metadata selection for every step so that reuse caps stay exact, and only the
-first worker of rank 0 records usage. The state is the step: resume = skip to it.
+DataLoader interleaves them back in order). Under ``max_uses`` every worker replays
+the cheap metadata selection for every step so that reuse caps stay exact; only the
+first worker of rank 0 records usage (so it draws every step); otherwise a worker
+draws only its own steps. The state is the step: resume = skip to it.
 
 Batch layout (padded, ``pack=False``), right-padded to the longest sequence::
 
@@ -320,16 +321,22 @@ class ReplayDataset(IterableDataset):
         selector.load_state_dict({"step": self.start_step})
         selector.usage_recorded_through = self.usage_recorded_through
         cache = TokenCache(self.store, self.cache_tokens)
+        # A step's draw is a pure function of (seed, step, store, config) but for use caps,
+        # which count this run's earlier draws, and the usage log, which records every step:
+        # only then does a worker draw the steps other workers build.
+        every_step = self.config.max_uses is not None or selector.record_usage
         step = self.start_step
         try:
             while self.steps is None or step < self.steps:
-                sel = selector.sample(
-                    self.batch_size,
-                    self._version(step),
-                    max_tokens=self.max_tokens_per_batch,
-                    learner_step=step,
-                )
-                if (step - self.start_step) % nworkers == wid:
+                mine = (step - self.start_step) % nworkers == wid
+                if mine or every_step:
+                    sel = selector.sample(
+                        self.batch_size,
+                        self._version(step),
+                        max_tokens=self.max_tokens_per_batch,
+                        learner_step=step,
+                    )
+                if mine:
                     yield self._build(step, sel, cache)
                 step += 1
         finally:

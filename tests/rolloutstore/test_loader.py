@@ -118,8 +118,10 @@ def test_ranks_are_disjoint_and_cover_the_selection(store):
         assert set().union(*ids) == set(full[step]["rollout_ids"])
 
 
-def test_dataloader_workers_give_the_same_stream(store):
-    cfg = ReplayConfig(seed=9)
+@pytest.mark.parametrize("max_uses", [None, 1])
+def test_dataloader_workers_give_the_same_stream(store, max_uses):
+    """Workers draw only their own steps, or, under a use cap, replay every step's draw."""
+    cfg = ReplayConfig(seed=9, max_uses=max_uses, window=24)  # the cap binds: 20 draws of 24
     ref = _batches(store, 5, batch_size=4, learner_version=5, config=cfg)
     ds = ReplayDataset(store, cfg, batch_size=4, learner_version=5, steps=5, record_usage=False)
     # Lance is not fork-safe: workers are spawned (as the loader's docstring says).
