@@ -153,3 +153,21 @@ dir = "{dir}"
         + run_keys.strip()
         + "\n"
     )
+
+
+def plain_selection(n: int, advantages: np.ndarray):
+    """A Selection of ``n`` rows (addresses 0..n-1, version 0, weight 1, reward 1) with these
+    ``advantages``: what collate needs beside the rows, for tests that lay rows out by hand."""
+    from rolloutstore.replay.selection import Selection
+
+    return Selection(
+        row_addresses=np.arange(n, dtype=np.uint64),
+        rollout_ids=[f"r{i}" for i in range(n)],
+        weights=np.ones(n, np.float32),
+        staleness=np.zeros(n, np.int64),
+        policy_version=np.zeros(n, np.int64),
+        prompt_ids=[f"p{i}" for i in range(n)],
+        run_ids=["t"] * n,
+        rewards=np.ones(n, np.float32),
+        advantages=np.asarray(advantages, np.float32),
+    )

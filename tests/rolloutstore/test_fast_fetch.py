@@ -8,14 +8,13 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import torch
-from helpers import make_rows
+from helpers import make_rows, plain_selection
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rolloutstore import ReplayConfig, ReplayDataset, RolloutStore, Selector
 from rolloutstore.replay.collate import TOKEN_COLUMNS, TokenRows, collate
 from rolloutstore.replay.loader import TokenCache
-from rolloutstore.replay.selection import Selection
 
 COLS = TOKEN_COLUMNS + ["temperature"]
 
@@ -182,17 +181,7 @@ def test_collate_of_views_equals_the_reference_for_any_lengths(rows, pack, data)
         }
     )
     order = np.asarray(data.draw(st.permutations(range(n))), np.int64)
-    sel = Selection(
-        row_addresses=np.arange(n, dtype=np.uint64),
-        rollout_ids=[f"r{i}" for i in range(n)],
-        weights=np.ones(n, np.float32),
-        staleness=np.zeros(n, np.int64),
-        policy_version=np.zeros(n, np.int64),
-        prompt_ids=[f"p{i}" for i in range(n)],
-        run_ids=["t"] * n,
-        rewards=np.ones(n, np.float32),
-        advantages=np.linspace(-1, 1, n).astype(np.float32),
-    )
+    sel = plain_selection(n, np.linspace(-1, 1, n))
     views = collate(TokenRows.of_table(table).take(order), sel, order, pack=pack)
     whole = collate(table.take(pa.array(order)), sel, order, pack=pack)
     want = _reference_collate([plain[i] for i in order], sel.advantages[order], pack)

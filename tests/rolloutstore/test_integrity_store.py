@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import zstandard
-from helpers import make_rows
+from helpers import make_rows, plain_selection
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from lance.dataset import DatasetOptimizer
@@ -37,7 +37,6 @@ from rolloutstore.errors import (
 )
 from rolloutstore.io.ingest import ingest_file
 from rolloutstore.replay.loader import collate
-from rolloutstore.replay.selector import Selection
 from rolloutstore.schema.validate import prepare
 from rolloutstore.store import log as store_mod
 from rolloutstore.store import unique
@@ -543,17 +542,7 @@ def test_collate_handles_any_lengths_including_zero(lengths, pack):
             "behavior_logprobs": pa.array(lps, pa.list_(pa.float32())),
         }
     )
-    sel = Selection(
-        row_addresses=np.arange(n, dtype=np.uint64),
-        rollout_ids=[f"r{i}" for i in range(n)],
-        weights=np.ones(n, np.float32),
-        staleness=np.zeros(n, np.int64),
-        policy_version=np.zeros(n, np.int64),
-        prompt_ids=[f"p{i}" for i in range(n)],
-        run_ids=["t"] * n,
-        rewards=np.ones(n, np.float32),
-        advantages=np.full(n, 0.5, np.float32),
-    )
+    sel = plain_selection(n, np.full(n, 0.5))
     b = collate(rows, sel, np.arange(n), pack=pack)
     scorable = sum(c - (p == 0 and c > 0) for p, c in lengths)
     assert int(b["loss_mask"].sum()) == scorable == b["num_loss_tokens"]
