@@ -329,6 +329,49 @@ def test_compute_vs_lr_table_rows(tmp_path):
 
 
 # -- the real-model comparison (--start base, item 4) ------------------------------------------
+def _arms_cache(tmp_path: Path, arms: dict) -> grid.Cache:
+    """A cache of ``arms`` (cell at its lr -> (uses, rollouts) at the target per seed 0, 1, 2)."""
+    sz, cache = grid.Sizing(), grid.Cache(tmp_path / "cache.json")
+    for cell, points in arms.items():
+        for s, (uses, rollouts) in enumerate(points):
+            digest = grid.config_hash(grid.build_config(BASE, cell, s, sz, tmp_path), sz)
+            cache.put(cell, s, _record(cell, s, _curve(uses, rollouts), 0.5, digest))
+    cache.save()
+    return cache
+
+
+def test_arms_at_named_lrs_are_compared_as_cells(tmp_path, capsys):
+    """Item 4's report: on-policy and one replay cell, each at the lr the tuned sweep gave it,
+    on seeds outside the protocol's: the tables compare them with on-policy as the baseline
+    (the saving paired by seed), and no tuned section is written for them."""
+    on_pts = [(2000, 2000), (2400, 2400), (2200, 2200)]
+    rep_pts = [(1800, 450), (2600, 650), (2000, 500)]
+    _arms_cache(tmp_path, {grid.ONPOLICY.at(5e-4): on_pts, REPLAY.at(2.5e-4): rep_pts})
+    out = tmp_path / "results.md"
+    args = ["--report", "--run-root", str(tmp_path), "--out", str(out), "--bootstrap", "300"]
+    assert rs.main(args + ["--target", str(TARGET)]) == 0
+    block = out.read_text()
+    assert (
+        "Arms, each at its own lr: asymre-pos50-y4-n16 at lr 2.5e-4; ppo-y1-n1 (on-policy) "
+        "at lr 5e-4." in block
+    )
+    assert "| asymre-pos50-y4-n16 | 4 | 16x" in block and "| ppo-y1-n1 (on-policy) | 1 |" in block
+    for m, tag in ((0.5, "mu = 0.50 (measured)"), (grid.PAPER_MU, f"mu = {grid.PAPER_MU}")):
+        want = rep.saving(
+            {s: u + m * r for s, (u, r) in enumerate(on_pts)},
+            {s: u + m * r for s, (u, r) in enumerate(rep_pts)},
+            300,
+        )
+        assert want["paired"] and want["n"] == 3
+        line = f"* {tag}: best replay cell **asymre-pos50-y4-n16**; compute to {TARGET} vs "
+        assert line + f"on-policy: saving {rep.fmt_pct(want)};" in block
+    assert "### Tuned lr per cell" not in block and "chosen before these runs" in block
+    # A cell at two lrs outside the protocol's seeds: which is its arm? Refused.
+    _arms_cache(tmp_path, {REPLAY.at(1e-4): rep_pts})
+    with pytest.raises(SystemExit, match="asymre-pos50-y4-n16 ran at two lrs"):
+        rs.main(args + ["--target", str(TARGET)])
+
+
 def _base_config(tmp_path: Path) -> Path:
     """A config like examples/smollm2_arith.toml (model folder, LoRA, its own task and greedy
     eval) on a tiny model folder, so a run takes seconds."""

@@ -111,12 +111,18 @@ model folder, task and eval settings (LoRA as it says; no warm start: ``RUN_ROOT
 holds the base model's held-out pass@k), e.g. on-policy vs one tuned cell on SmolLM2. The tiny
 model's lrs do not carry over to a LoRA on SmolLM2 (its example trains at 5e-4), but their
 ratio can: name each arm's lr, on-policy at 5e-4 and the cell at 5e-4 x (the cell's tuned lr /
-on-policy's tuned lr), e.g. ``ppo-y1-n1-lr5e-4 asymre-pos50-y4-n16-lr2.5e-4``::
+on-policy's tuned lr), e.g. ``ppo-y1-n1-lr5e-4 asymre-pos50-y4-n16-lr2.5e-4``. The target,
+0.30 greedy on held-out sums, is fixed before the runs (SmolLM2 starts at ~0.18 and on-policy
+reached ~0.43 after 256 rollouts in docs/results.md); the cache is kept in the repository too,
+and ``--report`` with the same options compares the two arms as cells (each named with its lr
+in the report; no tuned section)::
 
-    python tools/replay_sweep.py --config examples/smollm2_arith.toml --start base \
-        --run-root runs/sweep_smollm2 --cells ppo-y1-n1-lr5e-4 CELL-lrX --seeds 0 1 2 \
-        --prompts-per-round 8 --group-size 8 --batch-size 32 --budget-rounds 4 --evals 4 \
-        --eval-prompts 64 --passk-prompts 32 --passk-samples 4 --lr 5e-4 \
+    S="--config examples/smollm2_arith.toml --start base --run-root runs/sweep_smollm2
+       --cache docs/data/replay_sweep_smollm2.json --seeds 0 1 2 --target 0.30
+       --prompts-per-round 8 --group-size 8 --batch-size 32 --budget-rounds 4 --evals 4
+       --eval-prompts 64 --passk-prompts 32 --passk-samples 4 --lr 5e-4"
+    python tools/replay_sweep.py $S --cells ppo-y1-n1-lr5e-4 CELL-lrX
+    python tools/replay_sweep.py $S --cells ppo-y1-n1-lr5e-4 CELL-lrX --report \
         --out docs/results_smollm2_replay.md
 
 Resumable: finished (cell, seed) runs are cached as they end and skipped when their config
@@ -176,7 +182,13 @@ from tools.replay_sweep_grid import (  # noqa: E402
     start_from_base,
     warm_dir,
 )
-from tools.replay_sweep_report import best_cells, measured_mu, report, summarise_cells  # noqa: E402
+from tools.replay_sweep_report import (  # noqa: E402
+    best_cells,
+    measured_mu,
+    named_arms,
+    report,
+    summarise_cells,
+)
 from tools.replay_sweep_tune import (  # noqa: E402
     DEFAULT_LR_GRID,
     FRESH_SEEDS,
@@ -615,8 +627,15 @@ def _report(args: argparse.Namespace, argv: list[str], sz: Sizing, cache: Cache,
         print(f"note: {stale} cached runs have another configuration; left out")
     cmd = " ".join(["python tools/replay_sweep.py"] + [shlex.quote(a) for a in argv])
     records = cache.records(hashes)
+    protocol = set(args.tune_seeds) | set(args.fresh_seeds)
+    arms = named_arms(records, protocol)
+    # The tuned protocol's runs: at a tuned lr, on its seeds.
+    records = {
+        c: {s: r for s, r in rr.items() if s in protocol} for c, rr in records.items() if c.lr
+    }
+    records = {c: rr for c, rr in records.items() if rr}
     tuned = []
-    if any(c.lr is not None for c in records):
+    if records:
         tuned = tuned_section(
             records, lr_grid=args.lr_grid, tune_seeds=args.tune_seeds,
             fresh_seeds=args.fresh_seeds, target=args.target, choice_mu=sz.mu_budget,
@@ -624,7 +643,7 @@ def _report(args: argparse.Namespace, argv: list[str], sz: Sizing, cache: Cache,
         )  # fmt: skip
     block = report(
         cache, hashes, sz, target=args.target, out=args.out, command=cmd,
-        n_boot=args.bootstrap, pilot=args.pilot, tuned=tuned,
+        n_boot=args.bootstrap, pilot=args.pilot, tuned=tuned, arms=arms,
     )  # fmt: skip
     print(block)
     return 0

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from tools.replay_common import write_report as _write_report
-from tools.replay_sweep_grid import ONPOLICY, PAPER, PAPER_MU, Cache, Cell, Sizing
+from tools.replay_sweep_grid import ONPOLICY, PAPER, PAPER_MU, Cache, Cell, Sizing, lr_name
 
 SWEEP_BEGIN, SWEEP_END = "<!-- sweep:begin -->", "<!-- sweep:end -->"
 
@@ -281,9 +281,10 @@ def table(summ: dict[Cell, dict[str, Any]], sz: Sizing) -> str:
     return head + "\n".join(rows) + "\n"
 
 
-def plot_panels(summ: dict[Cell, dict[str, Any]], path: Path, target: float) -> None:
+def plot_panels(summ: dict[Cell, dict[str, Any]], path: Path, target: float, subject: str) -> None:
     """One panel per metric: ppo cells against y (a line per N), the y = 8 loss variants
-    beside them, on-policy as a dashed line; error bars are the 95% intervals."""
+    beside them, on-policy as a dashed line; error bars are the 95% intervals. ``subject``:
+    the task and model, for the title."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -292,12 +293,15 @@ def plot_panels(summ: dict[Cell, dict[str, Any]], path: Path, target: float) -> 
     fig, axes = plt.subplots(2, 3, figsize=(15, 8.5))
     for ax, (key, label, _) in zip(axes.flat, PANELS):
         _panel(ax, summ, key)
+        # Limits from the cells, not the data: a panel whose runs never reached the target
+        # holds no finite point, and a log axis cannot guess limits from none.
+        ax.set_xlim(0.7, 1.4 * max(c.y for c in summ))
         ax.set_xscale("log", base=2)
         ax.set_xlabel("replay ratio y")
         ax.set_title(label, fontsize=10)
         ax.grid(alpha=0.3)
     axes.flat[0].legend(fontsize=7)
-    fig.suptitle(f"carry_add, tiny model: mean and 95% bootstrap interval over seeds "
+    fig.suptitle(f"{subject}: mean and 95% bootstrap interval over seeds "
                  f"(target {target}; dashed: on-policy)")  # fmt: skip
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -389,6 +393,28 @@ def plot_curves(
     plt.close(fig)
 
 
+def named_arms(
+    records: dict[Cell, dict[int, dict]], protocol_seeds: set[int]
+) -> dict[Cell, dict[int, dict]]:
+    """The runs at a named lr on seeds outside the tuned protocol's (``--tune-seeds`` and
+    ``--fresh-seeds``): arms of a comparison, e.g. on-policy vs the best tuned cell on a real
+    model, each at the lr the tuned sweep gave it (issue #30 item 4). Keyed by the cell at
+    the sizing's lr, so that the tables, with on-policy as the baseline, compare them; a cell
+    run at two lrs there is refused (which would be its arm?)."""
+    arms: dict[Cell, dict[int, dict]] = {}
+    for c, runs in sorted(records.items()):
+        runs = {s: r for s, r in runs.items() if s not in protocol_seeds}
+        if c.lr is None or not runs:
+            continue
+        if c.base in arms:
+            raise SystemExit(
+                f"error: {c.base.name} ran at two lrs on seeds outside the tuned protocol's; "
+                "report one comparison at a time (--cache, or --seeds of the protocol)"
+            )
+        arms[c.base] = {s: {**r, "arm_lr": c.lr} for s, r in runs.items()}
+    return arms
+
+
 def report(
     cache: Cache,
     hashes: dict[str, str],
@@ -400,9 +426,11 @@ def report(
     n_boot: int = 10_000,
     pilot: bool = False,
     tuned: list[str] = (),
+    arms: dict[Cell, dict[int, dict]] | None = None,
 ) -> str:
     """Write the sweep's block of ``out`` (tables, savings, figures; then the ``tuned``
-    section's lines) and return it."""
+    section's lines) and return it. ``arms`` (:func:`named_arms`): cells at their own lr,
+    reported as the tables report the cells at the sizing's lr (there are none then)."""
     records = cache.records(hashes)
     if not records:
         raise SystemExit(
@@ -411,10 +439,27 @@ def report(
         )
     # The cells at the sizing's lr; the tuned cells are the tuned section's.
     plain = {c: runs for c, runs in records.items() if c.lr is None}
+    picked_here = True
+    if not plain and arms:
+        plain, picked_here = arms, False
     mu = measured_mu(plain or records)
-    lines = _intro(cache, records, sz, target=target, mu=mu, command=command, pilot=pilot)
+    shown = records if picked_here else plain  # the arms: the runs of the comparison only
+    lines = _intro(cache, shown, sz, target=target, mu=mu, command=command, pilot=pilot)
+    if not picked_here:
+        lines += [
+            "Arms, each at its own lr: "
+            + "; ".join(
+                f"{c.label()} at lr {lr_name(next(iter(rr.values()))['arm_lr'])}"
+                for c, rr in arms.items()
+            )
+            + ". The tables name each arm without its lr.",
+            "",
+        ]
     if plain:
-        lines += _untuned(plain, sz, out, target=target, mu=mu, n_boot=n_boot, pilot=pilot)
+        lines += _untuned(
+            plain, sz, out, target=target, mu=mu, n_boot=n_boot, pilot=pilot,
+            picked_here=picked_here, subject=_subject(cache),
+        )  # fmt: skip
     block = "\n".join(lines + list(tuned))
     _write_block(out, block)
     return block
@@ -429,8 +474,11 @@ def _untuned(
     mu: float,
     n_boot: int,
     pilot: bool,
+    picked_here: bool = True,
+    subject: str = "carry_add, tiny model",
 ) -> list[str]:
-    """The tables, savings and figures of the cells run at the sizing's lr."""
+    """The tables, savings and figures of the cells run at the sizing's lr (or of the named
+    arms: ``picked_here`` False, the replay arm was chosen elsewhere)."""
     summ = summarise_cells(records, target, mu, n_boot)
     stem = out.stem + ("_pilot" if pilot else "_sweep")
     panels_png = out.with_name(f"{stem}_panels.png")
@@ -445,14 +493,16 @@ def _untuned(
         sensitivity(records, target, mu, n_boot),
         "",
         "(The best cell is picked on the same runs, so its saving is optimistic; seeds 5+ "
-        "of phase 2 are the check.)",
+        "of phase 2 are the check.)"
+        if picked_here
+        else "(The replay arm was chosen before these runs, so its saving is not picked on them.)",
         "",
         f"![panels]({panels_png.name})",
         "",
         f"![reward vs compute]({curves_png.name})",
         "",
     ]
-    plot_panels(summ, panels_png, target)
+    plot_panels(summ, panels_png, target, subject)
     plot_curves(records, _curve_cells(summ), curves_png, mu, target)
     return lines
 
@@ -511,6 +561,14 @@ def _intro(
             "",
         ]
     return lines
+
+
+def _subject(cache: Cache) -> str:
+    """The figures' task and model: the tiny model's ``carry_add``, or the config's own."""
+    spec = (cache.warm or {}).get("spec", {})
+    if spec.get("start") != "base":
+        return "carry_add, tiny model"
+    return f"{spec.get('task', {}).get('name')}, {Path(spec.get('model', {}).get('path', '?')).parent.name}"
 
 
 def _quote(arg: str) -> str:
