@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workload", choices=["table", "long"], default="table")
     ap.add_argument("--rollouts", type=int, default=6000)
-    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--padded", action="store_true", help="padded batches (default: packed)")
     args = ap.parse_args(argv)
     from tools.peer_workloads import workload_batches

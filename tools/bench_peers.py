@@ -293,13 +293,13 @@ def main(argv=None) -> None:
     ap.add_argument("--rollouts", type=int, default=20_000)
     ap.add_argument("--workloads", nargs="+", default=["table", "long"])
     ap.add_argument("--draws", type=int, default=10)
-    ap.add_argument("--loader-steps", type=int, default=30)
-    ap.add_argument("--quick", action="store_true", help="2k rollouts, 5 draws, 10 loader steps")
+    ap.add_argument("--loader-steps", type=int, default=300)
+    ap.add_argument("--quick", action="store_true", help="2k rollouts, 5 draws, 100 loader steps")
     ap.add_argument("--json", default=None)
     ap.add_argument("--workdir", default=None)
     args = ap.parse_args(argv)
     if args.quick:
-        args.rollouts, args.draws, args.loader_steps = 2_000, 5, 10
+        args.rollouts, args.draws, args.loader_steps = 2_000, 5, 100
     print(f"load: {Path('/proc/loadavg').read_text().strip()} ({os.cpu_count()} cores)")
     out = {}
     for name in args.workloads:
