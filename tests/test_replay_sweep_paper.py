@@ -287,6 +287,9 @@ def test_fresh_saving_is_paired_by_seed_and_matches_its_definition(tmp_path, cap
             f"{rep.fmt_pct(want)};"
         ) in block
     assert "(paired, 5 seeds)" in block and "Measured mu: **1.00**" in block
+    # WORSE's lr is the grid's highest; no cell's is its lowest.
+    assert "the tuned compute is an upper bound for these cells: the highest lr 2e-4: " in block
+    assert "ppo-pos25-y2-n4." in block and "the lowest lr" not in block
     # The tuned cells are not in the first sweep's table; its figures are not drawn, the
     # compute-vs-lr figure (the paper's Figure 4 view) is, and the block shows it.
     assert "| cell | y | N (rows) |" not in block

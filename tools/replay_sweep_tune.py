@@ -168,6 +168,17 @@ def choose_all(
     return {c.base: choose_lr(records, c, lr_grid, tune_seeds, target, mu) for c in bases}
 
 
+def grid_edges(choices: dict[Cell, LrChoice], lr_grid: list[float]) -> list[str]:
+    """One phrase per end of the lr grid that some cell's lr was chosen at: there the cell's
+    best lr may lie beyond the grid, so its tuned compute is an upper bound."""
+    out = []
+    for what, lr in (("lowest", min(lr_grid)), ("highest", max(lr_grid))):
+        cells = [c.label() for c, ch in choices.items() if ch.lr is not None and ch.lr == lr]
+        if cells:
+            out.append(f"the {what} lr {lr_name(lr)}: {', '.join(cells)}")
+    return out
+
+
 def best_tuned(choices: dict[Cell, LrChoice], mu: float) -> LrChoice | None:
     """The replay cell with the lowest mean compute to target at its chosen lr on the tuning
     seeds, among those that reached it on every tuning seed."""
@@ -409,6 +420,13 @@ def tuned_section(
         lines += [f"Tuning incomplete (no lr chosen): {', '.join(incomplete)}.", ""]
     if other:
         lines += [f"Left out: tuned-cell runs on seeds {', '.join(map(str, other))}.", ""]
+    edges = grid_edges(choices, lr_grid)
+    if edges:
+        lines += [
+            f"Chosen at an end of the lr grid, so the best lr may lie beyond it and the tuned "
+            f"compute is an upper bound for these cells: {'; '.join(edges)}.",
+            "",
+        ]
     for tag, m in mus.items():
         what = "measured" if tag == "measured" else "the paper's"
         lines += [
