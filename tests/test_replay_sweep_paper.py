@@ -262,7 +262,7 @@ def test_fresh_saving_is_paired_by_seed_and_matches_its_definition(tmp_path, cap
     cache, fresh = _fake_cache(tmp_path)
     out = tmp_path / "results.md"
     args = ["--report", "--run-root", str(tmp_path), "--out", str(out), "--bootstrap", "300"]
-    assert rs.main(args + ["--target", str(TARGET)]) == 0
+    assert rs.main(args + ["--target", str(TARGET), "--lr-extend", "0"]) == 0
     block = out.read_text()
     mu = 1.0  # the median mu of the tuning runs (the fresh runs' 3.0 is not read)
     for m in (mu, grid.PAPER_MU):
@@ -288,13 +288,61 @@ def test_fresh_saving_is_paired_by_seed_and_matches_its_definition(tmp_path, cap
         ) in block
     assert "(paired, 5 seeds)" in block and "Measured mu: **1.00**" in block
     # WORSE's lr is the grid's highest; no cell's is its lowest.
-    assert "the tuned compute is an upper bound for these cells: the highest lr 2e-4: " in block
-    assert "ppo-pos25-y2-n4." in block and "the lowest lr" not in block
+    assert "the tuned compute is an upper bound for these cells: ppo-pos25-y2-n4 at 2e-4 " in block
+    assert "(highest)." in block and "(lowest)" not in block
     # The tuned cells are not in the first sweep's table; its figures are not drawn, the
     # compute-vs-lr figure (the paper's Figure 4 view) is, and the block shows it.
     assert "| cell | y | N (rows) |" not in block
     assert [p.name for p in tmp_path.glob("*.png")] == ["results_lr.png"]
     assert "![compute to target vs lr](results_lr.png)" in block
+
+
+def test_a_choice_at_an_end_of_the_grid_widens_it(tmp_path, monkeypatch, capsys):
+    """WORSE's lr is the grid's highest, 2e-4: with one widening it needs runs at 4e-4 and has
+    no lr until they exist; then it is chosen over the wider grid. Cells chosen inside the
+    grid are not widened. --tune runs exactly the widenings' runs, then stops."""
+    cache, _ = _fake_cache(tmp_path)
+    records = cache.records()
+    wide = tune.choose_lr(records, WORSE, GRID_LR, TUNE, TARGET, 5.3, extend=1)
+    assert wide.lr is None and wide.grid == (*GRID_LR, 4e-4)
+    assert wide.missing == ("lr 4e-4 seed 100 101",)
+    for cell in (REPLAY, grid.ONPOLICY):  # 5e-5 and 1e-4: inside the grid
+        assert tune.choose_lr(records, cell, GRID_LR, TUNE, TARGET, 5.3, 1).grid == tuple(GRID_LR)
+    choices = tune.choose_all(records, GRID_LR, TUNE, TARGET, 5.3, extend=1)
+    assert tune.to_run(choices, TUNE, records) == [WORSE.at(4e-4)]
+    assert tune.extended_grid(GRID_LR, 2) == [6.25e-6, 1.25e-5, *GRID_LR, 4e-4, 8e-4]
+
+    sz = grid.Sizing()
+
+    def finish(cells, points):
+        """Runs landing in the cache as the runner would leave them (here: made by hand)."""
+        for cell in cells:
+            for k, s in enumerate(TUNE):
+                digest = grid.config_hash(grid.build_config(BASE, cell, s, sz, tmp_path), sz)
+                curve = NEVER if points is None else _curve(points[0] + k, points[1])
+                cache.put(cell, s, _record(cell, s, curve, 1.0, digest))
+        cache.save()
+
+    ran = []
+
+    def fake_run(args, argv, sz_, cache_, base, cells, seeds):
+        ran.append(sorted(c.name for c in cells))
+        finish([c for c in cells if c == WORSE.at(4e-4)], (2000, 1000))  # cheaper there
+        return 0
+
+    monkeypatch.setattr(rs, "_run", fake_run)
+    argv = ["--tune", "--cells", REPLAY.name, WORSE.name, "--run-root", str(tmp_path)]
+    assert rs.main(argv + ["--target", str(TARGET)]) == 0
+    assert ran[1:] == [[WORSE.at(4e-4).name]]  # the grid, then one widening, then done
+    records = grid.Cache(tmp_path / "cache.json").records()
+    chosen = tune.choose_lr(records, WORSE, GRID_LR, TUNE, TARGET, 5.3, extend=1)
+    assert chosen.lr == 4e-4 and tune.grid_edges({WORSE: chosen}) == [
+        "ppo-pos25-y2-n4 at 4e-4 (highest)"
+    ]
+    # Worse at the widened lr: the choice goes back inside, and no end is flagged.
+    finish([WORSE.at(4e-4)], None)
+    back = tune.choose_lr(cache.records(), WORSE, GRID_LR, TUNE, TARGET, 5.3, extend=1)
+    assert back.lr == 2e-4 and tune.grid_edges({WORSE: back}) == []
 
 
 def test_compute_vs_lr_table_rows(tmp_path):

@@ -88,8 +88,9 @@ cache)::
 
 **Tuned protocol** (issue #30; ``tools/replay_sweep_tune.py``): the first sweep used one lr
 for every cell. ``--tune`` runs each ``--cells`` cell and on-policy at every ``--lr-grid`` lr
-(cells ``NAME-lrX``) on ``--tune-seeds``; ``--evaluate`` runs each at the lr chosen on those
-seeds only on ``--fresh-seeds`` (>= 5, disjoint from the tuning seeds); ``--report`` adds the
+(cells ``NAME-lrX``) on ``--tune-seeds`` (a cell chosen at an end of the grid also runs one lr
+beyond it: ``--lr-extend``); ``--evaluate`` runs each at the lr chosen on those seeds only on
+``--fresh-seeds`` (>= 5, disjoint from the tuning seeds); ``--report`` adds the
 compute-to-target vs lr tables and the best tuned replay cell's saving vs tuned on-policy on
 the fresh seeds at both mu, with its sensitivity to the target::
 
@@ -197,6 +198,8 @@ from tools.replay_sweep_tune import (  # noqa: E402
     LrChoice,
     check_seeds,
     choose_lr,
+    extended_grid,
+    to_run,
     tuned_section,
 )
 from trainer.rollout.evaluation import pass_at_k  # noqa: E402  (the runs' [eval] reports it)
@@ -520,6 +523,11 @@ def parser() -> argparse.ArgumentParser:
         help="evaluation phase: --cells and on-policy at their tuned lr on --fresh-seeds",
     )  # fmt: skip
     ap.add_argument("--lr-grid", type=float, nargs="+", default=list(DEFAULT_LR_GRID))
+    ap.add_argument(
+        "--lr-extend", type=int, default=1,
+        help="widen a cell's lr grid this many times (half the lowest, twice the highest lr) "
+        "while its choice is at an end of it (--tune runs the new lrs; 0: never)",
+    )  # fmt: skip
     ap.add_argument("--tune-seeds", type=int, nargs="+", default=list(TUNE_SEEDS))
     ap.add_argument(
         "--fresh-seeds", type=int, nargs="+", default=list(FRESH_SEEDS),
@@ -584,20 +592,50 @@ def main(argv: list[str] | None = None) -> int:
     if args.plan:
         print(plan(cells, seeds, sz, cache, hashes_for(cells, seeds), args.jobs))
         if args.tune:
+            if args.lr_extend:
+                print(
+                    f"plus, for each cell whose lr falls at an end of the grid, up to "
+                    f"{args.lr_extend} more lr(s) beyond it x {len(seeds)} tuning seeds "
+                    "(--lr-extend)"
+                )
             print(_plan_evaluation(bases, args, sz, cache))
         return 0
-    return _run(args, argv, sz, cache, base, cells, seeds)
+    rc = _run(args, argv, sz, cache, base, cells, seeds)
+    done: list[Cell] = []
+    while args.tune and args.lr_extend and rc == 0:
+        # Widen the grids whose choice fell at an end; until no cell needs another run.
+        records, choices = _tuning(args, sz, cache, hashes_for, bases)
+        more = to_run(choices, args.tune_seeds, records)
+        if not more or more == done:  # nothing new (or runs that do not land in the cache)
+            break
+        print(f"widening the lr grid: {', '.join(c.name for c in more)}")
+        rc, done = _run(args, argv, sz, cache, base, more, args.tune_seeds), more
+    return rc
+
+
+def _tuning(
+    args: argparse.Namespace, sz: Sizing, cache: Cache, hashes_for, bases: list[Cell]
+) -> tuple[dict[Cell, dict[int, dict]], dict[Cell, LrChoice]]:
+    """The cached tuning-seed runs of ``bases`` (at every lr the grid and its widenings may
+    hold) and each cell's lr choice from them."""
+    lrs = extended_grid(args.lr_grid, args.lr_extend)
+    tuning = [c.at(lr) for c in bases for lr in lrs]
+    records = cache.records(hashes_for(tuning, args.tune_seeds))
+    choices = {
+        c: choose_lr(
+            records, c, args.lr_grid, args.tune_seeds, args.target, sz.mu_budget, args.lr_extend
+        )
+        for c in bases
+    }
+    return records, choices
 
 
 def tuned_choices(
     args: argparse.Namespace, sz: Sizing, cache: Cache, hashes_for, bases: list[Cell]
 ) -> list[LrChoice]:
     """Each cell's lr, chosen on its cached tuning-seed runs only (printed, one line each)."""
-    tuning = [c.at(lr) for c in bases for lr in args.lr_grid]
-    records = cache.records(hashes_for(tuning, args.tune_seeds))
     out = []
-    for c in bases:
-        ch = choose_lr(records, c, args.lr_grid, args.tune_seeds, args.target, sz.mu_budget)
+    for c, ch in _tuning(args, sz, cache, hashes_for, bases)[1].items():
         if ch.lr is None:
             print(f"{c.name}: not tuned (missing {'; '.join(ch.missing)}): left out")
         else:
@@ -640,6 +678,7 @@ def _report(args: argparse.Namespace, argv: list[str], sz: Sizing, cache: Cache,
             records, lr_grid=args.lr_grid, tune_seeds=args.tune_seeds,
             fresh_seeds=args.fresh_seeds, target=args.target, choice_mu=sz.mu_budget,
             n_boot=args.bootstrap, figure=args.out.with_name(f"{args.out.stem}_lr.png"),
+            extend=args.lr_extend,
         )  # fmt: skip
     block = report(
         cache, hashes, sz, target=args.target, out=args.out, command=cmd,

@@ -29,6 +29,15 @@ lrs by, in order:
 
 A cell with a tuning run missing (any lr, any tuning seed) gets no lr and is not evaluated.
 
+**Widening** (``--lr-extend K``, default 1): a cell whose choice is the grid's lowest lr
+(highest) also runs at half that lr (twice it) on the tuning seeds, and is chosen again over
+the wider grid, up to K times; the grid runs come first, then ``--tune`` runs the widenings
+the cached runs call for. The rule and the seeds are the same, so the lr is still chosen on
+the tuning seeds only. A cell still chosen at an end of its grid is named in the report: its
+best lr may lie beyond, and its tuned compute is an upper bound. (On the first tuning seed of
+the paper cells, most replay cells did best at the lowest lr, 2.5e-5: replay takes more
+optimizer steps per rollout, which is the paper's reason to tune the lr per cell.)
+
 **The saving** (:func:`fresh_savings`): at each mu (the median over the tuning runs, and the
 paper's 5.3), the best tuned replay cell is the one with the lowest mean compute to target on
 the tuning seeds at its chosen lr, among those that reached it on every tuning seed; its
@@ -121,6 +130,7 @@ class LrChoice:
     points: tuple[LrPoint, ...]
     missing: tuple[str, ...]
     lr: float | None
+    grid: tuple[float, ...] = ()  # the lrs it was chosen over: the grid and its extensions
 
     @property
     def chosen(self) -> LrPoint | None:
@@ -138,12 +148,43 @@ def choose_lr(
     tune_seeds: list[int],
     target: float,
     mu: float,
+    extend: int = 0,
 ) -> LrChoice:
     """``cell``'s lr from its runs on ``tune_seeds`` only (the rule: module docstring); other
-    seeds in ``records`` are not read."""
-    base = cell.base
+    seeds in ``records`` are not read. ``extend``: while the choice is the grid's lowest
+    (highest) lr, up to this many times, widen the grid by half that lr (twice it) and
+    choose again; a widening whose runs are missing leaves the cell without an lr."""
+    grid = sorted(lr_grid)
+    choice = _choose(records, cell.base, grid, tune_seeds, target, mu)
+    for _ in range(extend):
+        if choice.lr == grid[0]:
+            grid = [grid[0] / 2, *grid]
+        elif choice.lr == grid[-1]:
+            grid = [*grid, grid[-1] * 2]
+        else:
+            break
+        choice = _choose(records, cell.base, grid, tune_seeds, target, mu)
+    return choice
+
+
+def extended_grid(lr_grid: list[float], extend: int) -> list[float]:
+    """Every lr a tuning may run: the grid, and up to ``extend`` halvings below and doublings
+    above it."""
+    lo, hi = min(lr_grid), max(lr_grid)
+    more = [lo / 2**k for k in range(1, extend + 1)] + [hi * 2**k for k in range(1, extend + 1)]
+    return sorted({*lr_grid, *more})
+
+
+def _choose(
+    records: Records,
+    base: Cell,
+    grid: list[float],
+    tune_seeds: list[int],
+    target: float,
+    mu: float,
+) -> LrChoice:
     points, missing = [], []
-    for lr in lr_grid:
+    for lr in grid:
         runs = records.get(base.at(lr), {})
         lost = [s for s in tune_seeds if s not in runs]
         if lost:
@@ -152,7 +193,18 @@ def choose_lr(
         hits = {s: hit(runs[s]["curve"], target) for s in tune_seeds}
         points.append(LrPoint(lr, hits, {s: runs[s]["final_reward"] for s in tune_seeds}))
     lr = None if missing or not points else min(points, key=lambda p: p.rank(mu)).lr
-    return LrChoice(base, tuple(points), tuple(missing), lr)
+    return LrChoice(base, tuple(points), tuple(missing), lr, tuple(grid))
+
+
+def to_run(choices: dict[Cell, LrChoice], tune_seeds: list[int], records: Records) -> list[Cell]:
+    """The tuning runs the choices still miss (a widened grid's new lr, or a lost run)."""
+    out = []
+    for ch in choices.values():
+        for lr in ch.grid:
+            runs = records.get(ch.cell.at(lr), {})
+            if any(s not in runs for s in tune_seeds):
+                out.append(ch.cell.at(lr))
+    return out
 
 
 def choose_all(
@@ -162,20 +214,22 @@ def choose_all(
     target: float,
     mu: float,
     cells: list[Cell] | None = None,
+    extend: int = 0,
 ) -> dict[Cell, LrChoice]:
     """:func:`choose_lr` of ``cells`` (default: every cell with a tuned run in ``records``)."""
     bases = cells if cells is not None else sorted({c.base for c in records if c.lr is not None})
-    return {c.base: choose_lr(records, c, lr_grid, tune_seeds, target, mu) for c in bases}
+    return {c.base: choose_lr(records, c, lr_grid, tune_seeds, target, mu, extend) for c in bases}
 
 
-def grid_edges(choices: dict[Cell, LrChoice], lr_grid: list[float]) -> list[str]:
-    """One phrase per end of the lr grid that some cell's lr was chosen at: there the cell's
-    best lr may lie beyond the grid, so its tuned compute is an upper bound."""
+def grid_edges(choices: dict[Cell, LrChoice]) -> list[str]:
+    """The cells whose lr was chosen at an end of the grid they were chosen over (widened or
+    not): there the best lr may lie beyond it, so the cell's tuned compute is an upper
+    bound."""
     out = []
-    for what, lr in (("lowest", min(lr_grid)), ("highest", max(lr_grid))):
-        cells = [c.label() for c, ch in choices.items() if ch.lr is not None and ch.lr == lr]
-        if cells:
-            out.append(f"the {what} lr {lr_name(lr)}: {', '.join(cells)}")
+    for c, ch in choices.items():
+        if ch.lr is not None and ch.lr in (min(ch.grid), max(ch.grid)):
+            end = "lowest" if ch.lr == min(ch.grid) else "highest"
+            out.append(f"{c.label()} at {lr_name(ch.lr)} ({end})")
     return out
 
 
@@ -257,7 +311,8 @@ def lr_table_rows(
         cols = []
         for lr in lr_grid:
             p = by_lr.get(lr)
-            text = "n/a" if p is None else _point(p, mu)
+            # Blank: an lr outside the cell's grid (another cell's widening); n/a: missing.
+            text = "" if lr not in ch.grid else "n/a" if p is None else _point(p, mu)
             cols.append(f"**{text}**" if p is not None and lr == ch.lr else text)
         chosen = lr_name(ch.lr) if ch.lr is not None else "incomplete"
         rows.append([cell.label(), *cols, chosen])
@@ -391,13 +446,15 @@ def tuned_section(
     choice_mu: float,
     n_boot: int = 10_000,
     figure: Path | None = None,
+    extend: int = 0,
 ) -> list[str]:
     """The report's lines on the tuned cells (those with an lr in their name): the
     compute-vs-lr tables, the fresh-seed table, the best tuned replay cell's saving at both
-    mu and its sensitivity to the target."""
+    mu and its sensitivity to the target. ``extend``: :func:`choose_lr`'s widenings."""
     mu, used, total = mu_runs(_tuning_runs(records, tune_seeds))
     mus = {"measured": mu, "paper": PAPER_MU}
-    choices = choose_all(records, lr_grid, tune_seeds, target, choice_mu)
+    choices = choose_all(records, lr_grid, tune_seeds, target, choice_mu, extend=extend)
+    columns = sorted(set(lr_grid).union(*(ch.grid for ch in choices.values())))
     other = sorted(
         {s for c, runs in records.items() if c.lr is not None for s in runs}
         - set(tune_seeds)
@@ -410,7 +467,14 @@ def tuned_section(
         f"tuning seeds {', '.join(map(str, tune_seeds))}; its lr was chosen on those runs only "
         f"(most seeds reaching {target}, then lowest mean compute to target at mu = "
         f"{choice_mu}, then highest final reward, then the lower lr), and it ran at that lr on "
-        f"the fresh seeds {', '.join(map(str, fresh_seeds))}. Measured mu: **{mu:.2f}** (median "
+        f"the fresh seeds {', '.join(map(str, fresh_seeds))}. "
+        + (
+            f"A cell whose lr fell at an end of the grid also ran at half the lowest (twice "
+            f"the highest) lr, up to {extend} time(s), and was chosen over that wider grid. "
+            if extend
+            else ""
+        )
+        + f"Measured mu: **{mu:.2f}** (median "
         f"over {used} of the {total} tuning runs: {_mu_basis(used, total)}). The best replay cell at each mu is picked on the tuning seeds; "
         "the savings are on the fresh seeds only.",
         "",
@@ -420,11 +484,11 @@ def tuned_section(
         lines += [f"Tuning incomplete (no lr chosen): {', '.join(incomplete)}.", ""]
     if other:
         lines += [f"Left out: tuned-cell runs on seeds {', '.join(map(str, other))}.", ""]
-    edges = grid_edges(choices, lr_grid)
+    edges = grid_edges(choices)
     if edges:
         lines += [
-            f"Chosen at an end of the lr grid, so the best lr may lie beyond it and the tuned "
-            f"compute is an upper bound for these cells: {'; '.join(edges)}.",
+            f"Chosen at an end of the lr grid (widened or not), so the best lr may lie beyond "
+            f"it and the tuned compute is an upper bound for these cells: {'; '.join(edges)}.",
             "",
         ]
     for tag, m in mus.items():
@@ -433,10 +497,10 @@ def tuned_section(
             f"Compute to target vs lr on the tuning seeds, at {what} mu = {m:.2f} (mean over "
             "the seeds that reached it, reached/seeds; bold: the chosen lr):",
             "",
-            lr_table(choices, lr_grid, m),
+            lr_table(choices, columns, m),
         ]
     if figure is not None and any(ch.points for ch in choices.values()):
-        plot_lr_curves(choices, lr_grid, mus, figure)
+        plot_lr_curves(choices, columns, mus, figure)
         lines += [f"![compute to target vs lr]({figure.name})", ""]
     lines += [
         "On the fresh seeds, at the chosen lr (mean [95% bootstrap interval]; savings paired "
