@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rolloutstore import ReplayConfig, RolloutStore, Selector  # noqa: E402
 from rolloutstore.replay.collate import TOKEN_COLUMNS  # noqa: E402
 from rolloutstore.replay.loader import TokenCache  # noqa: E402
-from tools.bench_loader_peers import loader_section  # noqa: E402
+from tools.bench_loader_peers import describe, loader_section  # noqa: E402
 from tools.bench_store import du, n_tokens, write_jsonl  # noqa: E402
 from tools.peer_workloads import workload_batches  # noqa: E402
 
@@ -279,10 +279,7 @@ def report(res: dict) -> None:
         "one draw (zstd-3, measured here)"
     )
     for key, lo in res["loader"].items():
-        print(
-            f"loader {key}: {lo['loader_tok_s'] / 1e6:.2f} M tok/s vs in-memory list "
-            f"{lo['memory_tok_s'] / 1e6:.2f} M tok/s: {lo['ratio']:.2f}"
-        )
+        print(f"loader {key}: {describe(lo)}")
         ratios[f"loader / in-memory, {key}"] = lo["ratio"]
     res["ratios"] = ratios
     print("ratios: " + "; ".join(f"{k} {v:.2f}" for k, v in ratios.items()))
