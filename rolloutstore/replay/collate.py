@@ -171,26 +171,26 @@ def _token_tensors(
     scored = c_len - skip
     tail = (lengths if pack else width - 1) - lead - scored
     size = rows_out * (width - 1)
+    runs = np.stack([lead, scored, tail], 1)
+    zero_f = np.zeros(int(runs[:, [0, 2]].max(initial=0)), np.float32)
+    lead_l, scored_l, tail_l = runs.T.tolist()
 
     def spread(name: str) -> np.ndarray:
+        """The target grid of a per-token column: zeros, the row's scored values, zeros."""
         values, start, _ = rows.lists[name]
-        zeros = np.zeros(int(max(lead.max(initial=0), tail.max(initial=0))), np.float32)
         pieces = []
-        for s, a, k, t in zip(
-            (start + skip).tolist(), lead.tolist(), scored.tolist(), tail.tolist()
-        ):
-            pieces += (zeros[:a], values[s : s + k], zeros[:t])
+        for s, a, k, t in zip((start + skip).tolist(), lead_l, scored_l, tail_l):
+            pieces += (zero_f[:a], values[s : s + k], zero_f[:t])
         return _concat(pieces, total if pack else size, np.float32)[:size]
 
-    def cells(per_row: list[np.ndarray], dtype) -> np.ndarray:
-        runs = np.stack([lead, scored, tail], 1).ravel()
-        values = np.stack([np.zeros(n, dtype), *per_row, np.zeros(n, dtype)], 1).ravel()
-        return np.repeat(values, runs)[:size] if n else np.zeros(size, dtype)
+    def cells(per_row: np.ndarray) -> np.ndarray:
+        """The target grid of one value per row, over its scored cells."""
+        zero = np.zeros(n, np.float32)
+        return np.repeat(np.stack([zero, per_row, zero], 1).ravel(), runs.ravel())[:size]
 
-    if "loss_mask" in rows.lists:  # 1: the policy's token, 0: tool / environment
-        mask = spread("loss_mask")
-    else:
-        mask = cells([np.ones(n, np.float32)], np.float32)
+    # loss_mask: 1 on the policy's tokens, 0 on tool / environment ones; absent: all ones.
+    has_mask = "loss_mask" in rows.lists
+    mask = spread("loss_mask") if has_mask else cells(np.ones(n, np.float32))
     zeros = np.zeros(int(max(pad.max(initial=0), width - total)), np.int64)
     ids, positions = [], []
     counting = np.arange(int(lengths.max(initial=0)), dtype=np.int64)
@@ -212,13 +212,11 @@ def _token_tensors(
         "attention_mask": torch.from_numpy(
             np.repeat(
                 np.tile(np.array([1, 0], np.int64), rows_out),
-                np.stack([[total], [width - total]], 1).ravel()
-                if pack
-                else np.stack([lengths, pad], 1).ravel(),
+                [total, width - total] if pack else np.stack([lengths, pad], 1).ravel(),
             ).reshape(grid)
         ),
     }
-    targets = (mask, spread("behavior_logprobs"), cells([adv], np.float32))
+    targets = (mask, spread("behavior_logprobs"), cells(adv))
     for name, values in zip(("loss_mask", "behavior_logprobs", "advantages"), targets, strict=True):
         out[name] = torch.from_numpy(values.reshape(rows_out, width - 1))
     if pack:

@@ -140,7 +140,7 @@ class TokenCache:
         need = sel.row_addresses if idx is None else sel.row_addresses[idx]
         pos = self._positions(sel, need)
         if pos is None:
-            return self.store.take_rows(need, columns=TOKEN_COLUMNS + SAMPLING_COLUMNS)
+            return self._take(need)
         return self.table.take(pa.array(pos, pa.int64()))
 
     def token_rows(self, sel: Selection, idx: np.ndarray | None = None) -> TokenRows:
@@ -148,12 +148,14 @@ class TokenCache:
         need = sel.row_addresses if idx is None else sel.row_addresses[idx]
         pos = self._positions(sel, need)
         if pos is None:
-            return TokenRows.of_table(
-                self.store.take_rows(need, columns=TOKEN_COLUMNS + SAMPLING_COLUMNS)
-            )
+            return TokenRows.of_table(self._take(need))
         if self._views is None:
             self._views = TokenRows.of_table(self.table)
         return self._views.take(pos)
+
+    def _take(self, addresses: np.ndarray) -> pa.Table:
+        """The token and sampling columns of rows ``addresses``, read from the store."""
+        return self.store.take_rows(addresses, columns=TOKEN_COLUMNS + SAMPLING_COLUMNS)
 
     def _positions(self, sel: Selection, need: np.ndarray) -> np.ndarray | None:
         """Cache rows of addresses ``need`` (None: the buffer is not cached)."""
@@ -181,7 +183,7 @@ class TokenCache:
             # Drop rows that left the buffer before growing further.
             keep = np.isin(self.addr, buffer)
             self.table, self.addr = self.table.filter(pa.array(keep)), self.addr[keep]
-        fresh = self.store.take_rows(missing, columns=TOKEN_COLUMNS + SAMPLING_COLUMNS)
+        fresh = self._take(missing)
         table = fresh if self.table is None else pa.concat_tables([self.table, fresh])
         # One chunk per column: every later take then gathers from one buffer per column
         # (a take across chunks resolves each row's chunk first, and copies more).
