@@ -398,20 +398,19 @@ def named_arms(
 ) -> dict[Cell, dict[int, dict]]:
     """The runs at a named lr on seeds outside the tuned protocol's (``--tune-seeds`` and
     ``--fresh-seeds``): arms of a comparison, e.g. on-policy vs the best tuned cell on a real
-    model, each at the lr the tuned sweep gave it (issue #30 item 4). Keyed by the cell at
-    the sizing's lr, so that the tables, with on-policy as the baseline, compare them; a cell
-    run at two lrs there is refused (which would be its arm?)."""
+    model, each at the lr the tuned sweep gave it (issue #30 item 4). A cell run at two lrs
+    there is refused (which would be its arm?)."""
     arms: dict[Cell, dict[int, dict]] = {}
     for c, runs in sorted(records.items()):
         runs = {s: r for s, r in runs.items() if s not in protocol_seeds}
         if c.lr is None or not runs:
             continue
-        if c.base in arms:
+        if any(a.base == c.base for a in arms):
             raise SystemExit(
                 f"error: {c.base.name} ran at two lrs on seeds outside the tuned protocol's; "
                 "report one comparison at a time (--cache, or --seeds of the protocol)"
             )
-        arms[c.base] = {s: {**r, "arm_lr": c.lr} for s, r in runs.items()}
+        arms[c] = runs
     return arms
 
 
@@ -430,7 +429,8 @@ def report(
 ) -> str:
     """Write the sweep's block of ``out`` (tables, savings, figures; then the ``tuned``
     section's lines) and return it. ``arms`` (:func:`named_arms`): cells at their own lr,
-    reported as the tables report the cells at the sizing's lr (there are none then)."""
+    reported as the tables report the cells at the sizing's lr (there are none then): keyed
+    by that cell, so that on-policy is the baseline."""
     records = cache.records(hashes)
     if not records:
         raise SystemExit(
@@ -441,17 +441,14 @@ def report(
     plain = {c: runs for c, runs in records.items() if c.lr is None}
     picked_here = True
     if not plain and arms:
-        plain, picked_here = arms, False
+        plain, picked_here = {c.base: runs for c, runs in arms.items()}, False
     mu = measured_mu(plain or records)
     shown = records if picked_here else plain  # the arms: the runs of the comparison only
     lines = _intro(cache, shown, sz, target=target, mu=mu, command=command, pilot=pilot)
     if not picked_here:
         lines += [
             "Arms, each at its own lr: "
-            + "; ".join(
-                f"{c.label()} at lr {lr_name(next(iter(rr.values()))['arm_lr'])}"
-                for c, rr in arms.items()
-            )
+            + "; ".join(f"{c.base.label()} at lr {lr_name(c.lr)}" for c in arms)
             + ". The tables name each arm without its lr.",
             "",
         ]
