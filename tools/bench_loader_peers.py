@@ -18,6 +18,9 @@ in-memory ratios, batches dropped and kept::
 
     python tools/bench_loader_peers.py                        # 6,000 `table` rollouts, packed
     python tools/bench_loader_peers.py --workload long --padded --rollouts 3000
+    # the same ratios on an older commit's loader (docs/benchmarks.md's "before" column):
+    git worktree add /tmp/old 3f2143a
+    PYTHONPATH=/tmp/old python tools/bench_loader_peers.py --rollouts 2000 --ratios-only
 """
 
 from __future__ import annotations
@@ -229,6 +232,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rollouts", type=int, default=6000)
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--padded", action="store_true", help="padded batches (default: packed)")
+    ap.add_argument(
+        "--ratios-only", action="store_true",
+        help="skip the phase breakdown (it needs this checkout's loader; the ratios run "
+        "against an older one too: PYTHONPATH=<its worktree>)",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     from tools.peer_workloads import workload_batches
 
@@ -238,11 +246,12 @@ def main(argv: list[str] | None = None) -> int:
             store.append(t)
         store = store.checkout(store.version)
         pack = not args.padded
-        phases = loader_phases(store, args.steps, pack)
         print(f"{args.workload}, {args.rollouts:,} rollouts, {'packed' if pack else 'padded'} "
-              f"batches of {BATCH}: CPU ms per batch")  # fmt: skip
-        for k, v in phases.items():
-            print(f"  {k:<24} {v:6.2f}")
+              f"batches of {BATCH}")  # fmt: skip
+        if not args.ratios_only:
+            print("CPU ms per batch:")
+            for k, v in loader_phases(store, args.steps, pack).items():
+                print(f"  {k:<24} {v:6.2f}")
         for keep in (False, True):
             r = one_case(store, args.steps, pack, 0, keep)
             print(f"loader, batches {'kept' if keep else 'dropped'}: {describe(r)}")
