@@ -102,8 +102,13 @@ the fresh seeds at both mu, with its sensitivity to the target::
 
 The tuned sweep takes longer than one working session (~6-10 h on 2 cores), so its cache is a
 tracked file, ``docs/data/replay_sweep_paper.json``, committed as runs finish: a fresh checkout
-resumes where the last stopped. The warm start (15-70 s) is rebuilt in ``RUN_ROOT/warm`` and must
-give the cached held-out figures exactly, else the sweep refuses to mix the two. The report
+resumes where the last stopped. Every run starts from the warm start tracked in
+``docs/data/replay_sweep_warm/`` (``--warm-from``; copied to ``RUN_ROOT/warm``). Rebuilt, it would
+not be the same model on another CPU: the 250 supervised steps round differently under other
+kernels (pass@1 0.298 on one machine, 0.267 on another). The cache holds its weights hash and
+refuses runs from another start; each run records its machine (``machine``), and runs on two
+machines from the one start are replicates, as two seeds are. ``--warm-from none`` builds a
+warm start here instead (then a new ``--cache``). The report
 goes to ``docs/results_tuned.md``, beside the first sweep's in ``docs/results.md`` (whose cache
 was not kept: a report written there from this cache would replace its tables).
 
@@ -169,6 +174,7 @@ from tools.replay_sweep_grid import (  # noqa: E402
     PAPER_CELLS,
     PASSK_SEED,
     TASK,
+    WARM_KEPT,
     Cache,
     Cell,
     Sizing,
@@ -177,11 +183,13 @@ from tools.replay_sweep_grid import (  # noqa: E402
     cost_model,
     estimate_seconds,
     lr_name,
+    machine,
     parse_cell,
     plan,
     schedule,
     start_from_base,
     warm_dir,
+    weights_digest,
 )
 from tools.replay_sweep_report import (  # noqa: E402
     best_cells,
@@ -206,9 +214,13 @@ from trainer.rollout.evaluation import pass_at_k  # noqa: E402  (the runs' [eval
 
 
 # -- running ------------------------------------------------------------------------------------
-def ensure_warm(base: dict[str, Any], sz: Sizing, run_root: Path) -> dict[str, Any]:
-    """The warm-started model every run starts from (built once; the RL seeds vary, the start
-    does not, as runs from one pretrained checkpoint), with its held-out pass@k."""
+def ensure_warm(
+    base: dict[str, Any], sz: Sizing, run_root: Path, kept: Path | None = WARM_KEPT
+) -> dict[str, Any]:
+    """The warm-started model every run starts from (the RL seeds vary, the start does not, as
+    runs from one pretrained checkpoint), in ``RUN_ROOT/warm`` with its held-out pass@k and
+    weights hash: copied from ``kept`` (the tracked one) when its spec is this sizing's, else
+    built here once."""
     import torch
 
     from trainer.config import TrainConfig
@@ -222,9 +234,13 @@ def ensure_warm(base: dict[str, Any], sz: Sizing, run_root: Path) -> dict[str, A
     else:
         spec = {"steps": sz.warm_steps, "lr": sz.warm_lr, "seed": seed, "model": base.get("model")}
     info_path = out / "warm.json"
+    if not from_base and kept is not None and (kept / "warm.json").exists():
+        info = json.loads((kept / "warm.json").read_text())
+        if info.get("spec") == spec:
+            return _take_warm(kept, out, info)
     if info_path.exists():
         info = json.loads(info_path.read_text())
-        if info.get("spec") == spec:
+        if info.get("spec") == spec and (from_base or "weights" in info):
             return info
     if from_base:
         cfg = build_config(base, ONPOLICY, seed, sz, run_root)
@@ -250,9 +266,32 @@ def ensure_warm(base: dict[str, Any], sz: Sizing, run_root: Path) -> dict[str, A
     shutil.rmtree(out, ignore_errors=True)
     (tmp / "model").rename(out)
     shutil.rmtree(tmp, ignore_errors=True)
-    info = {"spec": spec, "seconds": time.perf_counter() - t0}
-    info.update(heldout(out, cfg, sz))
+    info = {"spec": spec, "seconds": time.perf_counter() - t0, "weights": weights_digest(out)}
+    info.update(heldout(out, cfg, sz), machine=machine())
     info_path.write_text(json.dumps(info, indent=1))
+    return info
+
+
+def _take_warm(kept: Path, out: Path, info: dict[str, Any]) -> dict[str, Any]:
+    """The tracked warm start ``kept``, copied to ``out`` (unless already there): its weights
+    must be those its ``warm.json`` names. Its held-out figures are those measured where it was
+    built (``info["machine"]``)."""
+    if weights_digest(kept) != info.get("weights"):
+        raise SystemExit(
+            f"{kept}: its weights (hash {weights_digest(kept)}) are not the ones its warm.json "
+            f"names ({info.get('weights')}); restore the folder from git, or build one here "
+            "with --warm-from none"
+        )
+    try:
+        if weights_digest(out) == info["weights"] and (out / "warm.json").exists():
+            return info  # copied before
+    except FileNotFoundError:
+        pass
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(kept, tmp)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
     return info
 
 
@@ -377,6 +416,7 @@ def run_cell(job: dict[str, Any]) -> dict[str, Any]:
         wall_s=time.perf_counter() - t0,
         cpu_s=time.process_time() - cpu0,  # all threads; ~ wall_s when the run had a core
         finished=time.strftime("%Y-%m-%dT%H:%M:%S"),
+        machine=machine(),
     )
     if not job.get("keep"):
         for p in run_dir.iterdir():
@@ -431,11 +471,12 @@ def run_jobs(
     run_root: Path,
     workers: int,
     threads: int,
+    kept: Path | None = WARM_KEPT,
 ) -> int:
-    """The warm start (once), then every job; each result cached as it ends. Returns the
-    number of failed runs."""
+    """The warm start (once; ``kept``: see ``ensure_warm``), then every job; each result cached
+    as it ends. Returns the number of failed runs."""
     _init_worker(threads)
-    cache.adopt_warm(ensure_warm(base, sz, run_root))
+    cache.adopt_warm(ensure_warm(base, sz, run_root, kept))
     cache.save()
     failed = 0
     if workers <= 1:
@@ -537,6 +578,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--threads", type=int, default=1, help="torch threads per run")
     ap.add_argument("--run-root", type=Path, default=ROOT / "runs/sweep")
     ap.add_argument("--cache", type=Path, default=None, help="default RUN_ROOT/cache.json")
+    ap.add_argument(
+        "--warm-from", type=lambda v: None if v in ("", "none") else Path(v), default=WARM_KEPT,
+        help="the tracked warm start, used when its spec is the sizing's (none: build one here)",
+    )  # fmt: skip
     ap.add_argument("--keep-runs", action="store_true", help="keep stores, weights, checkpoints")
     ap.add_argument("--plan", action="store_true", help="print the grid and estimate; run none")
     ap.add_argument("--report", action="store_true", help="write --out from the cache")
@@ -708,7 +753,7 @@ def _run(
         with sigint_interrupts():  # SIGTERM (kill, a scheduler) stops the sweep as ^C does
             failed = run_jobs(
                 jobs, cache, base=base, sz=sz, run_root=args.run_root, workers=args.jobs,
-                threads=args.threads,
+                threads=args.threads, kept=args.warm_from,
             )  # fmt: skip
     finally:
         # Count the session's time even when a run (or ^C) stopped the sweep.

@@ -42,7 +42,11 @@ from tools.replay_common import copy_sections
 PAPER = "https://arxiv.org/abs/2604.08706"
 PAPER_MU = 5.3  # the paper's generation / training cost per rollout for Qwen2.5-7B
 SCHEMA = 1  # bump when what a cached record means changes
-WARM_FIGURES = ("pass1", "pass4", "heldout_entropy", "heldout_tokens")  # a warm start's identity
+WARM_FIGURES = ("pass1", "pass4", "heldout_entropy", "heldout_tokens")  # without a weights hash
+# The tiny model's warm start, tracked (1.8 MB): every machine starts the sweep from these weights.
+# A rebuilt one differs from machine to machine (the 250 supervised steps round differently on
+# another CPU's kernels), so the runs of a cache must not mix starts rebuilt on two machines.
+WARM_KEPT = Path(__file__).resolve().parents[1] / "docs/data/replay_sweep_warm"
 PASSK_SEED = 424_242  # the held-out pass@k prompt set and its sampling seed: one for all runs
 LOSSES = ("ppo", "tis", "asymre", "m2po")
 ASYMRE_DELTA = -0.1  # the paper's delta V for AsymRE (also trainer.algo.loss_config's default)
@@ -283,6 +287,41 @@ def warm_dir(run_root: Path) -> Path:
     return run_root / "warm"
 
 
+def weights_digest(folder: Path) -> str:
+    """A model folder's identity: the SHA-256 of its ``*.safetensors`` files, in name order."""
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{folder}: no *.safetensors weights")
+    h = hashlib.sha256()
+    for p in files:
+        h.update(p.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def machine() -> dict[str, Any]:
+    """Where a run ran: the CPU (model, the vector extensions torch dispatches on), its cores and
+    the torch build. Runs of one cell on two machines from the same warm start are replicates:
+    their floating-point rounding differs, as a seed does, so a cache may hold both."""
+    import platform
+
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "capability": torch.backends.cpu.get_cpu_capability(),  # e.g. AVX2, AVX512
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+    }
+
+
 def start_from_base(sz: Sizing) -> bool:
     """Whether runs start from the --config's own model (``--start base``) or the warm start."""
     if sz.start not in ("warm", "base"):
@@ -322,7 +361,9 @@ class Cache:
         """Count this invocation's wall time (updated as runs finish, so a killed sweep's
         time up to its last finished run is kept)."""
         self._t0 = time.perf_counter()
-        self.sessions.append({"argv": argv, "jobs": jobs, "seconds": 0.0, "runs": 0})
+        self.sessions.append(
+            {"argv": argv, "jobs": jobs, "seconds": 0.0, "runs": 0, "machine": machine()}
+        )
         self.save()
 
     def tick(self, ran: int = 0) -> None:
@@ -331,11 +372,21 @@ class Cache:
             self.sessions[-1]["runs"] += ran
 
     def adopt_warm(self, info: dict[str, Any]) -> None:
-        """Take the warm start's info (``ensure_warm``); refuse one rebuilt with the same spec
-        whose held-out figures differ from those the cached runs started from: a cache committed
-        in one checkout is resumed in another, whose warm start is rebuilt, not copied."""
+        """Take the warm start's info (``ensure_warm``); refuse one with the same spec that is
+        not the start the cached runs had: other weights (their hash), or for a cache from
+        before weights were hashed, other held-out figures (a warm start rebuilt elsewhere)."""
         old = self.warm
         if old.get("spec") == info.get("spec"):
+            if "weights" in old:
+                if old["weights"] != info.get("weights"):
+                    raise SystemExit(
+                        f"{self.path}: the warm start here (weights {info.get('weights')}) is "
+                        f"not the one its cached runs started from (weights {old['weights']}); "
+                        f"take the tracked one (--warm-from, default {WARM_KEPT.name}) or "
+                        "start a new --cache"
+                    )
+                self.warm = info
+                return
             diff = [k for k in WARM_FIGURES if k in old and not _same(old[k], info.get(k))]
             if diff:
                 got = ", ".join(f"{k} {old[k]!r} -> {info.get(k)!r}" for k in diff)
