@@ -8,6 +8,7 @@ import contextlib
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -142,6 +143,56 @@ def test_a_resumed_cache_refuses_a_different_warm_start(tmp_path):
     # Another spec is another start (its runs hash differently): taken.
     again.adopt_warm({**warm, "spec": {**spec, "steps": 100}, "pass1": 0.1})
     assert again.warm["pass1"] == 0.1
+
+
+def test_a_cache_knows_its_warm_start_by_its_weights(tmp_path):
+    """With a weights hash, that is the identity: the same weights with other held-out figures
+    (measured on another machine) are the same start; other weights are refused."""
+    spec = {"steps": 250, "lr": 0.001, "seed": 0}
+    warm = {"spec": spec, "weights": "cb955946e65dc512", "pass1": 0.2666, "pass4": 0.547}
+    cache = grid.Cache(tmp_path / "cache.json")
+    cache.adopt_warm(warm)
+    cache.save()
+    again = grid.Cache(tmp_path / "cache.json")
+    again.adopt_warm({**warm, "pass1": 0.2461})  # the tracked start, scored on another CPU
+    assert again.warm["pass1"] == 0.2461
+    with pytest.raises(SystemExit, match=r"weights 0123456789abcdef\) is not.*cb955946e65dc512"):
+        again.adopt_warm({**warm, "weights": "0123456789abcdef"})
+    assert again.warm["weights"] == "cb955946e65dc512"
+
+
+def test_the_tracked_warm_start_is_the_default_sweeps_and_is_copied_not_rebuilt(
+    tmp_path, monkeypatch
+):
+    """docs/data/replay_sweep_warm is the start of the default sizing's runs on every machine:
+    ensure_warm copies it (no training), checks its weights against its warm.json, and refuses
+    a folder whose weights were changed."""
+    import trainer.run.setup
+
+    kept = json.loads((grid.WARM_KEPT / "warm.json").read_text())
+    assert kept["weights"] == grid.weights_digest(grid.WARM_KEPT)
+    assert {"cpu", "capability", "torch"} <= set(kept["machine"])
+
+    def no_training(*a, **k):
+        raise AssertionError("the warm start was rebuilt, not copied")
+
+    monkeypatch.setattr(trainer.run.setup, "warm_start", no_training)
+    info = rs.ensure_warm(BASE, grid.Sizing(), tmp_path / "runs")
+    assert info == kept  # the default sizing's spec is the tracked one's
+    got = tmp_path / "runs" / "warm"
+    assert (got / "model.safetensors").read_bytes() == (
+        grid.WARM_KEPT / "model.safetensors"
+    ).read_bytes()
+    assert rs.ensure_warm(BASE, grid.Sizing(), tmp_path / "runs") == kept  # already there
+    # A tracked folder whose weights are not those its warm.json names is refused.
+    bad = tmp_path / "bad"
+    shutil.copytree(grid.WARM_KEPT, bad)
+    blob = bytearray((bad / "model.safetensors").read_bytes())
+    blob[-1] ^= 1
+    (bad / "model.safetensors").write_bytes(bytes(blob))
+    with pytest.raises(SystemExit, match="not the ones its warm.json names"):
+        rs.ensure_warm(BASE, grid.Sizing(), tmp_path / "other", kept=bad)
+    assert not (tmp_path / "other" / "warm").exists()
 
 
 # -- per-run numbers ----------------------------------------------------------------------------
@@ -331,7 +382,11 @@ def test_one_tiny_cell_runs_caches_and_resumes(tmp_path, capsys, keep_torch_thre
     assert (rec["steps"], rec["rollouts"], rec["uses"]) == (4, 16, 32)
     assert 0.0 <= rec["pass1"] <= rec["pass4"] <= 1.0 and rec["mu"] > 0
     assert [p[0] for p in rec["curve"]] == [0, 2, 4]
-    assert data["warm"]["spec"]["steps"] == 2
+    assert data["warm"]["spec"]["steps"] == 2  # not the tracked start's spec: built here
+    assert data["warm"]["weights"] == grid.weights_digest(tmp_path / "warm")
+    import torch
+
+    assert rec["machine"]["torch"] == data["sessions"][0]["machine"]["torch"] == torch.__version__
     run_dir = tmp_path / "ppo-y2-n4" / "s0"
     assert sorted(p.name for p in run_dir.iterdir()) == ["metrics.jsonl", "run.json"]
     capsys.readouterr()
