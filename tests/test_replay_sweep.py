@@ -326,6 +326,8 @@ def test_report_tables_best_cell_and_saving(tmp_path):
             else:
                 curve = [[0, 0, 0, 0, 0.2], [1, 5000, 200, 3200, 0.3]]
             rec = _record(name, seed, f"h-{name}-{seed}", curve=curve, mu=1.0)
+            if seed < 2:  # runs from before machines were recorded have none
+                rec["machine"] = {"cpu": "CPU X", "capability": "AVX2", "cores": 2, "torch": "2.9"}
             cache.put(grid.parse_cell(name), seed, rec)
             hashes[grid.Cache.key(grid.parse_cell(name), seed)] = rec["hash"]
     out = tmp_path / "results.md"
@@ -336,6 +338,7 @@ def test_report_tables_best_cell_and_saving(tmp_path):
     # Paths inside the checkout are quoted relative to it, others as they were given.
     assert "`python tools/replay_sweep.py --cache docs/data/c.json --out /elsewhere/r.md`" in block
     assert "0/4" in block  # y16 never reached the target
+    assert "CPU X (AVX2, 2 cores, torch 2.9): 6 runs; not recorded: 6 runs." in block
     assert "best replay cell **ppo-y4-n4**" in block
     # mu = 1: (1200 + 300) / (1000 + 1000) -> 25% saved; mu = 5.3: (1200 + 1590) / 6300.
     assert "saving 25% [25%, 25%] (paired, 4 seeds)" in block

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import shlex
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -544,7 +545,7 @@ def _intro(
     ]
     w = cache.warm
     if w:
-        spec = w.get("spec", {})
+        spec, built = w.get("spec", {}), "weights" in w and "machine" in w
         start = (
             f"the base model of the config ({spec.get('model', {}).get('path')})"
             if spec.get("start") == "base"
@@ -554,10 +555,27 @@ def _intro(
             f"Start (all runs): {start}, held-out "
             f"pass@1 {w['pass1']:.3f}, pass@4 {w['pass4']:.3f}, entropy "
             f"{w['heldout_entropy']:.3f} nats/token, {w['heldout_tokens']:.1f} tokens per "
-            "completion.",
+            "completion"
+            + (f" (weights {w['weights']}, scored on {_machine(w['machine'])})" if built else "")
+            + ".",
             "",
         ]
+    machines = Counter(
+        _machine(r["machine"]) if "machine" in r else "not recorded"
+        for rr in records.values()
+        for r in rr.values()
+    )
+    lines += [
+        "Machines (runs on two are replicates from the one start, their rounding differs as a "
+        "seed does): " + "; ".join(f"{k}: {v} runs" for k, v in sorted(machines.items())) + ".",
+        "",
+    ]
     return lines
+
+
+def _machine(m: dict[str, Any]) -> str:
+    """A run's machine (``replay_sweep_grid.machine``) in words."""
+    return f"{m.get('cpu')} ({m.get('capability')}, {m.get('cores')} cores, torch {m.get('torch')})"
 
 
 def _subject(cache: Cache) -> str:
