@@ -108,7 +108,7 @@ not be the same model on another CPU: the 250 supervised steps round differently
 kernels (pass@1 0.298 on one machine, 0.267 on another). The cache holds its weights hash and
 refuses runs from another start; each run records its machine (``machine``), and runs on two
 machines from the one start are replicates, as two seeds are. ``--warm-from none`` builds a
-warm start here instead (then a new ``--cache``). The report
+warm start here instead (in a new ``--run-root``, and then a new ``--cache``). The report
 goes to ``docs/results_tuned.md``, beside the first sweep's in ``docs/results.md`` (whose cache
 was not kept: a report written there from this cache would replace its tables).
 
@@ -580,7 +580,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--cache", type=Path, default=None, help="default RUN_ROOT/cache.json")
     ap.add_argument(
         "--warm-from", type=lambda v: None if v in ("", "none") else Path(v), default=WARM_KEPT,
-        help="the tracked warm start, used when its spec is the sizing's (none: build one here)",
+        help="the tracked warm start, used when its spec is the sizing's (none: not it; the one "
+        "in RUN_ROOT/warm if it has this spec, else one built here)",
     )  # fmt: skip
     ap.add_argument("--keep-runs", action="store_true", help="keep stores, weights, checkpoints")
     ap.add_argument("--plan", action="store_true", help="print the grid and estimate; run none")
