@@ -276,9 +276,9 @@ def _take_warm(kept: Path, out: Path, info: dict[str, Any]) -> dict[str, Any]:
     """The tracked warm start ``kept``, copied to ``out`` (unless already there): its weights
     must be those its ``warm.json`` names. Its held-out figures are those measured where it was
     built (``info["machine"]``)."""
-    if weights_digest(kept) != info.get("weights"):
+    if (have := weights_digest(kept)) != info.get("weights"):
         raise SystemExit(
-            f"{kept}: its weights (hash {weights_digest(kept)}) are not the ones its warm.json "
+            f"{kept}: its weights (hash {have}) are not the ones its warm.json "
             f"names ({info.get('weights')}); restore the folder from git, or build one here "
             "with --warm-from none"
         )
