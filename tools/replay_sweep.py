@@ -121,20 +121,27 @@ on-policy's tuned lr), e.g. ``ppo-y1-n1-lr5e-4 asymre-pos50-y4-n16-lr2.5e-4``. T
 0.30 greedy on held-out sums, is fixed before the runs (SmolLM2 starts at ~0.18 and on-policy
 reached ~0.43 after 256 rollouts in docs/results.md); the cache is kept in the repository too,
 and ``--report`` with the same options compares the two arms as cells (each named with its lr
-in the report; no tuned section)::
+in the report; no tuned section). Sizing: rounds of 16 prompts x 8 (128 rollouts, as
+``make demo-smollm2``), 4 on-policy rounds of compute at mu = 5.3 (512 rollouts, 16 learner
+steps), greedy evals on 128 held-out prompts each round. A first size, 8 prompts x 8, was too
+small: at temperature 1 the base model samples ~2-10% correct answers, so a round of 64 gave
+the learner a few correct rollouts, and on-policy learned on one seed of three (greedy eval
+0.16 -> 0.53; 0.27 -> 0.23 and 0.22 -> 0.23 on the others). On 2 cores with vLLM generating, an
+on-policy run takes ~20 min and a y = 2 run ~30 (the learner, ~1 s per row, is most of it)::
 
     S="--config examples/smollm2_arith.toml --start base --run-root runs/sweep_smollm2
        --cache docs/data/replay_sweep_smollm2.json --seeds 0 1 2 --target 0.30
-       --prompts-per-round 8 --group-size 8 --batch-size 32 --budget-rounds 4 --evals 4
-       --eval-prompts 64 --passk-prompts 32 --passk-samples 4 --lr 5e-4"
-    python tools/replay_sweep.py $S --cells ppo-y1-n1-lr5e-4 CELL-lrX
+       --prompts-per-round 16 --group-size 8 --batch-size 32 --budget-rounds 4 --evals 4
+       --eval-prompts 128 --passk-prompts 32 --passk-samples 4 --lr 5e-4"
+    python tools/replay_sweep.py $S --cells ppo-y1-n1-lr5e-4 CELL-lrX --jobs 1 --threads 2
     python tools/replay_sweep.py $S --cells ppo-y1-n1-lr5e-4 CELL-lrX --report \
         --out docs/results_smollm2_replay.md
 
 Resumable: finished (cell, seed) runs are cached as they end and skipped when their config
 is unchanged; an interrupted run is started again from scratch. Run folders are pruned to
-``metrics.jsonl`` + ``run.json`` unless ``--keep-runs``. Generation uses transformers (``hf``):
-vLLM's engine start per run and its threads do not fit 2 cores.
+``metrics.jsonl`` + ``run.json`` unless ``--keep-runs``. The tiny model's cells generate with
+transformers (``hf``): vLLM's engine start per run and its threads do not fit 2 runs on 2 cores.
+``--start base`` keeps the config's backend (vLLM for SmolLM2, one run at a time).
 
 Code: this file is the command and the running of cells (the warm start, a run, its held-out
 pass@k, the worker pool); the grid, the run configs, the cache and ``--plan``'s estimate are in
