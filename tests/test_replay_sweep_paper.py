@@ -547,3 +547,34 @@ def test_theory_check_on_the_fresh_seeds(tmp_path):
     assert rs.main(args + ["--target", str(TARGET)]) == 0
     block = out.read_text()
     assert "#### Theory check (issue #30 item 5)" in block and "On the fresh seeds" in block
+
+
+def test_evaluation_runs_onpolicy_then_the_best_cells_each_on_every_fresh_seed(
+    tmp_path, monkeypatch, capsys
+):
+    """--evaluate's order: on-policy, then the replay cells from the best on the tuning seeds
+    down (REPLAY reached on both seeds at 5e-5, WORSE at a dearer 2e-4), each cell on all its
+    fresh seeds before the next; --tune keeps seed-major jobs."""
+    cache, _ = _fake_cache(tmp_path)
+    choices = list(tune.choose_all(cache.records(), GRID_LR, TUNE, TARGET, 5.3).values())
+    want = [grid.ONPOLICY.at(1e-4), REPLAY.at(5e-5), WORSE.at(2e-4)]
+    for order in (choices, choices[::-1]):  # whatever order the cells were named in
+        assert tune.evaluation_order(order, 5.3) == want
+    untuned = tune.LrChoice(WORSE, (), ("lr 1e-4 seed 100",), None)
+    assert tune.evaluation_order([untuned, *choices], 5.3) == want  # no lr: left out
+
+    sz = grid.Sizing()
+    empty = grid.Cache(tmp_path / "empty.json")
+    cm = rs.make_jobs(BASE, want, FRESH[:2], sz, tmp_path, empty, cell_major=True)
+    sm = rs.make_jobs(BASE, want, FRESH[:2], sz, tmp_path, empty)
+    pairs = [(c.name, s) for c in want for s in FRESH[:2]]
+    assert [(j["cell"], j["seed"]) for j in cm] == pairs
+    assert [(j["cell"], j["seed"]) for j in sm] == sorted(pairs, key=lambda p: p[1])
+
+    ran = []
+    monkeypatch.setattr(
+        rs, "_run", lambda args, argv, sz_, cache_, base, cells, seeds: ran.append(cells) or 0
+    )
+    names = ["--cells", WORSE.name, REPLAY.name, "--run-root", str(tmp_path)]
+    assert rs.main(["--evaluate", *names, "--target", str(TARGET), "--lr-extend", "0"]) == 0
+    assert ran == [want]

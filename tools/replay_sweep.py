@@ -90,7 +90,9 @@ cache)::
 for every cell. ``--tune`` runs each ``--cells`` cell and on-policy at every ``--lr-grid`` lr
 (cells ``NAME-lrX``) on ``--tune-seeds`` (a cell chosen at an end of the grid also runs one lr
 beyond it: ``--lr-extend``); ``--evaluate`` runs each at the lr chosen on those seeds only on
-``--fresh-seeds`` (>= 5, disjoint from the tuning seeds); ``--report`` adds the
+``--fresh-seeds`` (>= 5, disjoint from the tuning seeds), on-policy first, then the cells best
+first on the tuning seeds, each on all its fresh seeds before the next (so an evaluation cut
+short already holds what the saving needs); ``--report`` adds the
 compute-to-target vs lr tables and the best tuned replay cell's saving vs tuned on-policy on
 the fresh seeds at both mu, with its sensitivity to the target::
 
@@ -213,6 +215,7 @@ from tools.replay_sweep_tune import (  # noqa: E402
     LrChoice,
     check_seeds,
     choose_lr,
+    evaluation_order,
     extended_grid,
     to_run,
     tuned_section,
@@ -440,26 +443,31 @@ def make_jobs(
     run_root: Path,
     cache: Cache,
     keep: bool = False,
+    cell_major: bool = False,
 ) -> list[dict[str, Any]]:
     """The (cell, seed) runs not in the cache with the current configuration, seed-major (an
-    interrupted sweep then holds whole seeds of most cells)."""
+    interrupted sweep then holds whole seeds of most cells), or with ``cell_major`` every seed
+    of a cell before the next (``--evaluate``: its cells come best first)."""
     jobs = []
-    for seed in seeds:
-        for cell in cells:
-            cfg = build_config(base, cell, seed, sz, run_root)
-            digest = config_hash(cfg, sz)
-            if cache.done(cell, seed, digest):
-                continue
-            jobs.append(
-                {
-                    "config": cfg.to_dict(),
-                    "cell": cell.name,
-                    "seed": seed,
-                    "sizing": dataclasses.asdict(sz),
-                    "hash": digest,
-                    "keep": keep,
-                }
-            )
+    if cell_major:
+        order = [(c, s) for c in cells for s in seeds]
+    else:
+        order = [(c, s) for s in seeds for c in cells]
+    for cell, seed in order:
+        cfg = build_config(base, cell, seed, sz, run_root)
+        digest = config_hash(cfg, sz)
+        if cache.done(cell, seed, digest):
+            continue
+        jobs.append(
+            {
+                "config": cfg.to_dict(),
+                "cell": cell.name,
+                "seed": seed,
+                "sizing": dataclasses.asdict(sz),
+                "hash": digest,
+                "keep": keep,
+            }
+        )
     return jobs
 
 
@@ -636,9 +644,8 @@ def main(argv: list[str] | None = None) -> int:
             cells = [c.at(lr) for c in bases for lr in args.lr_grid]
             seeds = args.tune_seeds
         else:
-            cells = [
-                ch.tuned for ch in tuned_choices(args, sz, cache, hashes_for, bases) if ch.tuned
-            ]
+            choices = tuned_choices(args, sz, cache, hashes_for, bases)
+            cells = evaluation_order(choices, sz.mu_budget)
             seeds = args.fresh_seeds
             if not cells:
                 raise SystemExit("no cell has a tuned lr yet: run --tune first (same --cells)")
@@ -751,7 +758,10 @@ def _run(
     seeds: list[int],
 ) -> int:
     """The sweep: every (cell, seed) run not cached yet. Exit status 1 if any failed."""
-    jobs = make_jobs(base, cells, seeds, sz, args.run_root, cache, keep=args.keep_runs)
+    jobs = make_jobs(
+        base, cells, seeds, sz, args.run_root, cache, keep=args.keep_runs,
+        cell_major=args.evaluate,
+    )  # fmt: skip
     print(f"{len(jobs)} runs to do ({len(cells) * len(seeds) - len(jobs)} cached)")
     if not jobs:
         return 0

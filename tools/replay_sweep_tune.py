@@ -244,6 +244,17 @@ def best_tuned(choices: dict[Cell, LrChoice], mu: float) -> LrChoice | None:
     return min(ok, key=lambda ch: (ch.chosen.compute(mu), ch.cell), default=None)
 
 
+def evaluation_order(choices: list[LrChoice], mu: float) -> list[Cell]:
+    """The tuned cells in the order ``--evaluate`` runs them, each on all its fresh seeds
+    before the next: on-policy, then the replay cells from the best on the tuning seeds down
+    (the lr choice's rank at ``mu``: seeds reached, then mean compute to target). The saving
+    needs on-policy and the best cell on every fresh seed; an evaluation cut short (it spans
+    sessions) then has those first. Cells without an lr are left out."""
+    tuned = [ch for ch in choices if ch.tuned is not None]
+    key = lambda ch: (not ch.cell.onpolicy, ch.chosen.rank(mu), ch.cell.name)  # noqa: E731
+    return [ch.tuned for ch in sorted(tuned, key=key)]
+
+
 # -- fresh seeds --------------------------------------------------------------------------------
 def to_target(
     records: Records, cell: Cell, seeds: list[int], target: float, mu: float, tokens: bool = False
