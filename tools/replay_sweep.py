@@ -129,7 +129,8 @@ steps), greedy evals on 128 held-out prompts each round. A first size, 8 prompts
 small: at temperature 1 the base model samples ~2-10% correct answers, so a round of 64 gave
 the learner a few correct rollouts, and on-policy learned on one seed of three (greedy eval
 0.16 -> 0.53; 0.27 -> 0.23 and 0.22 -> 0.23 on the others). On 2 cores with vLLM generating, an
-on-policy run takes ~20 min and a y = 2 run ~30 (the learner, ~1 s per row, is most of it)::
+on-policy run took 15-17 min; a y = 2 run takes twice its learner steps (~1 s per row, the
+larger share of a run)::
 
     S="--config examples/smollm2_arith.toml --start base --run-root runs/sweep_smollm2
        --cache docs/data/replay_sweep_smollm2.json --seeds 0 1 2 --target 0.30
