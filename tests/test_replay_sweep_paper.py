@@ -550,7 +550,7 @@ def test_theory_check_on_the_fresh_seeds(tmp_path):
 
 
 def test_evaluation_runs_onpolicy_then_the_best_cells_each_on_every_fresh_seed(
-    tmp_path, monkeypatch, capsys
+    tmp_path, monkeypatch
 ):
     """--evaluate's order: on-policy, then the replay cells from the best on the tuning seeds
     down (REPLAY reached on both seeds at 5e-5, WORSE at a dearer 2e-4), each cell on all its
@@ -571,10 +571,13 @@ def test_evaluation_runs_onpolicy_then_the_best_cells_each_on_every_fresh_seed(
     assert [(j["cell"], j["seed"]) for j in cm] == pairs
     assert [(j["cell"], j["seed"]) for j in sm] == sorted(pairs, key=lambda p: p[1])
 
+    # Through the command: the jobs --evaluate hands the runner (fresh seeds the fake cache
+    # has no runs on, so none is skipped), cells best first and cell-major.
     ran = []
-    monkeypatch.setattr(
-        rs, "_run", lambda args, argv, sz_, cache_, base, cells, seeds: ran.append(cells) or 0
-    )
-    names = ["--cells", WORSE.name, REPLAY.name, "--run-root", str(tmp_path)]
+    monkeypatch.setattr(rs, "run_jobs", lambda jobs, cache, **kw: ran.append(jobs) or 0)
+    fresh = ["--fresh-seeds", "300", "301", "302", "303", "304"]
+    names = ["--cells", WORSE.name, REPLAY.name, "--run-root", str(tmp_path), *fresh]
     assert rs.main(["--evaluate", *names, "--target", str(TARGET), "--lr-extend", "0"]) == 0
-    assert ran == [want]
+    assert [(j["cell"], j["seed"]) for j in ran[0]] == [
+        (c.name, s) for c in want for s in range(300, 305)
+    ]

@@ -251,8 +251,8 @@ def evaluation_order(choices: list[LrChoice], mu: float) -> list[Cell]:
     needs on-policy and the best cell on every fresh seed; an evaluation cut short (it spans
     sessions) then has those first. Cells without an lr are left out."""
     tuned = [ch for ch in choices if ch.tuned is not None]
-    key = lambda ch: (not ch.cell.onpolicy, ch.chosen.rank(mu), ch.cell.name)  # noqa: E731
-    return [ch.tuned for ch in sorted(tuned, key=key)]
+    tuned.sort(key=lambda ch: (not ch.cell.onpolicy, ch.chosen.rank(mu), ch.cell.name))
+    return [ch.tuned for ch in tuned]
 
 
 # -- fresh seeds --------------------------------------------------------------------------------
