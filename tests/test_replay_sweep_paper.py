@@ -536,11 +536,16 @@ def test_theory_check_on_the_fresh_seeds(tmp_path):
     assert pts[REPLAY.at(5e-5)]["break_even"][0] == "always"  # fewer passes and fewer rollouts
     kind, mu = pts[WORSE.at(2e-4)]["break_even"]
     assert kind == "above" and mu == pytest.approx((3100 - 2200) / (2200 - 1550))
-    assert not check["onpolicy_least_passes"]  # REPLAY needs fewer passes than on-policy
+    assert check["onpolicy_least_passes"] is False  # REPLAY needs fewer passes than on-policy
     assert check["best"] == {"measured": REPLAY.at(5e-5), "paper": REPLAY.at(5e-5)}
     assert math.isnan(check["staleness_vs_passes"])  # two replay cells: no correlation
     lines = "\n".join(theory.theory_lines(check, 1.0, "fresh seeds"))
     assert f"| {WORSE.at(2e-4).label()} | 5/5 | 3,100 | 1,550 | mu > 1.38 | 2.00 | 4.00 |" in lines
+    assert "optimal as mu -> 0'): **no**." in lines and "spread)" in lines  # nan: not a figure
+    # On-policy alone (tuning under way): nothing to compare, which is not a "no".
+    alone = theory.theory_check(records, [grid.ONPOLICY.at(1e-4)], FRESH, TARGET, 1.0)
+    assert alone["onpolicy_least_passes"] is None
+    assert "no comparison yet" in "\n".join(theory.theory_lines(alone, 1.0, "tuning seeds"))
     # The report carries the section, on the fresh seeds once they ran.
     out = tmp_path / "results.md"
     args = ["--report", "--run-root", str(tmp_path), "--out", str(out), "--bootstrap", "100"]

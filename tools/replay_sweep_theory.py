@@ -123,8 +123,12 @@ def theory_check(
         "onpolicy": on,
         "staleness_vs_passes": corr,
         "best": {"measured": pick(mu), "paper": pick(PAPER_MU)},
-        "onpolicy_least_passes": bool(o is not None and replay)
-        and all(points[c]["uses"] >= o["uses"] for c in replay),
+        # None: nothing to compare yet (no replay cell, or on-policy, reached the target)
+        "onpolicy_least_passes": (
+            all(points[c]["uses"] >= o["uses"] for c in replay)
+            if replay and o is not None and not math.isnan(o["uses"])
+            else None
+        ),
     }
 
 
@@ -159,14 +163,22 @@ def theory_lines(check: dict[str, Any], mu: float, seeds_label: str) -> list[str
         )
     best = check["best"]
     name = {k: (c.name if c else "none") for k, c in best.items()}
+    least = {
+        True: "**yes**",
+        False: "**no**",
+        None: "no comparison yet (on-policy and a tuned replay cell must reach the target)",
+    }
+    corr = check["staleness_vs_passes"]
     lines += [
         "",
         f"* On-policy needs the fewest learner passes of all cells (the paper's 'on-policy is "
-        f"optimal as mu -> 0'): **{'yes' if check['onpolicy_least_passes'] else 'no'}**.",
+        f"optimal as mu -> 0'): {least[check['onpolicy_least_passes']]}.",
         f"* The compute model picks **{name['measured']}** at the measured mu = {mu:.2f} and "
         f"**{name['paper']}** at mu = {PAPER_MU}"
         + (f" (on-policy is {on.name})." if on is not None else "."),
-        f"* Staleness variance vs passes to target relative to on-policy, rank correlation over "
-        f"the replay cells: {check['staleness_vs_passes']:.2f} (the trade-off predicts > 0).",
+        "* Staleness variance vs passes to target relative to on-policy, rank correlation over "
+        "the replay cells: "
+        + ("n/a (needs 3 replay cells with a spread)" if math.isnan(corr) else f"{corr:.2f}")
+        + " (the trade-off predicts > 0).",
     ]
     return lines
