@@ -546,6 +546,11 @@ def test_theory_check_on_the_fresh_seeds(tmp_path):
     alone = theory.theory_check(records, [grid.ONPOLICY.at(1e-4)], FRESH, TARGET, 1.0)
     assert alone["onpolicy_least_passes"] is None
     assert "no comparison yet" in "\n".join(theory.theory_lines(alone, 1.0, "tuning seeds"))
+    # A cell not run on these seeds yet (evaluation under way) gets no row of NaNs: it is named.
+    unrun = grid.ONPOLICY.at(1e-4)  # any cell absent from the records
+    part = theory.theory_check({}, [unrun], FRESH, TARGET, 1.0)
+    text = "\n".join(theory.theory_lines(part, 1.0, "fresh seeds"))
+    assert "nan" not in text and f"Not run on the fresh seeds yet: {unrun.label()}." in text
     # The report carries the section, on the fresh seeds once they ran.
     out = tmp_path / "results.md"
     args = ["--report", "--run-root", str(tmp_path), "--out", str(out), "--bootstrap", "100"]

@@ -150,7 +150,10 @@ def theory_lines(check: dict[str, Any], mu: float, seeds_label: str) -> list[str
         "staleness var | approx KL |",
         "|---|---|---|---|---|---|---|---|",
     ]
+    unrun = [c.label() for c, p in pts.items() if p["runs"] == 0]
     for c, p in pts.items():
+        if p["runs"] == 0:  # not run on these seeds yet (an evaluation under way): no row
+            continue
         be = (
             "(baseline)"
             if c.onpolicy
@@ -169,6 +172,8 @@ def theory_lines(check: dict[str, Any], mu: float, seeds_label: str) -> list[str
         None: "no comparison yet (on-policy and a tuned replay cell must reach the target)",
     }
     corr = check["staleness_vs_passes"]
+    if unrun:
+        lines += ["", f"Not run on the {seeds_label} yet: {', '.join(unrun)}."]
     lines += [
         "",
         f"* On-policy needs the fewest learner passes of all cells (the paper's 'on-policy is "
