@@ -243,6 +243,12 @@ def test_target_and_compute_at_a_mu():
                                              [16, 6000, 256, 1024, 0.5],
                                              [24, 9000, 384, 1536, 0.6]])  # fmt: skip
     assert rep.hit([[0, 0, 0, 0, 0.1], [8, 3000, 128, 512, 0.6], [9, 0, 0, 0, 0.1]], 0.5) is None
+    # The start is not smoothed: its average with the first trained eval (0.3) would meet 0.3
+    # at zero compute; the target is reached at the first trained eval (smoothed (0.2 + 0.4 +
+    # 0.5) / 3), and a start that is already above the target counts at zero.
+    start = [[0, 0, 0, 0, 0.2], [8, 3000, 128, 512, 0.4], [16, 6000, 256, 1024, 0.5]]
+    assert rep.hit(start, 0.3) == start[1]
+    assert rep.hit([[0, 0, 0, 0, 0.35], *start[1:]], 0.3) == [0, 0, 0, 0, 0.35]
     m = rep.run_metrics(rec, 0.45, {"measured": 1.0, "paper": 5.3})
     assert m["tokens_to_target"] == 6000
     assert m["compute_to_target@measured"] == 1024 + 256

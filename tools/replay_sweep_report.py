@@ -42,9 +42,14 @@ def smoothed(rewards: list[float]) -> list[float]:
 
 def hit(curve: list[list[float]], target: float) -> list[float] | None:
     """The first eval point whose smoothed reward (:func:`smoothed`) is >= target (None: never
-    within the run)."""
+    within the run). The start (a point with no generation and no learner pass) counts on its
+    own reward only: smoothed, it would borrow the first trained eval's and credit a run with
+    the target at zero compute."""
     sm = smoothed([p[4] for p in curve])
-    return next((p for p, r in zip(curve, sm) if r >= target), None)
+    for p, r in zip(curve, sm):
+        if (p[4] if p[2] == 0 and p[3] == 0 else r) >= target:
+            return p
+    return None
 
 
 def run_metrics(rec: dict[str, Any], target: float, mus: dict[str, float]) -> dict[str, float]:
