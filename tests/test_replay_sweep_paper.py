@@ -489,6 +489,7 @@ def test_base_start_runs_both_arms_from_the_model_folder(tmp_path, keep_torch_th
     assert rs.main(args) == 0
     data = json.loads((runs / "cache.json").read_text())
     assert data["warm"]["spec"]["start"] == "base" and 0 <= data["warm"]["pass1"] <= 1
+    assert data["warm"]["weights"] == grid.weights_digest(tmp_path / "base-model")  # its identity
     assert sorted(p.name for p in (runs / "warm").iterdir()) == ["warm.json"]  # nothing trained
     assert set(data["runs"]) == {"ppo-y1-n1/s0", "ppo-y2-n4/s0"}
     on, rep = data["runs"]["ppo-y1-n1/s0"], data["runs"]["ppo-y2-n4/s0"]

@@ -109,7 +109,8 @@ resumes where the last stopped. Every run starts from the warm start tracked in
 not be the same model on another CPU: the 250 supervised steps round differently under other
 kernels (pass@1 0.298 on one machine, 0.267 on another). The cache holds its weights hash and
 refuses runs from another start; each run records its machine (``machine``), and runs on two
-machines from the one start are replicates, as two seeds are. ``--warm-from none`` builds a
+machines from the one start are replicates, as two seeds are (with ``--start base`` the start
+is the config's model folder, and the cache holds that folder's hash). ``--warm-from none`` builds a
 warm start here instead (in a new ``--run-root``, and then a new ``--cache``). The report
 goes to ``docs/results_tuned.md``, beside the first sweep's in ``docs/results.md`` (whose cache
 was not kept: a report written there from this cache would replace its tables).
@@ -251,11 +252,15 @@ def ensure_warm(
             return _take_warm(kept, out, info)
     if info_path.exists():
         info = json.loads(info_path.read_text())
-        if info.get("spec") == spec and (from_base or "weights" in info):
+        if info.get("spec") == spec and "weights" in info:
             return info
     if from_base:
+        # The start is the base folder's weights (each run's LoRA init comes from its seed):
+        # their hash lets a cache resume on another machine, whose held-out figures of the
+        # same start differ in the last digits.
         cfg = build_config(base, ONPOLICY, seed, sz, run_root)
-        info = {"spec": spec, "seconds": 0.0, **heldout(Path(cfg.model.path), cfg, sz)}
+        info = {"spec": spec, "seconds": 0.0, "weights": weights_digest(Path(cfg.model.path))}
+        info.update(heldout(Path(cfg.model.path), cfg, sz), machine=machine())
         out.mkdir(parents=True, exist_ok=True)
         info_path.write_text(json.dumps(info, indent=1))
         return info
