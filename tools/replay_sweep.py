@@ -110,8 +110,8 @@ not be the same model on another CPU: the 250 supervised steps round differently
 kernels (pass@1 0.298 on one machine, 0.267 on another). The cache holds its weights hash and
 refuses runs from another start; each run records its machine (``machine``), and runs on two
 machines from the one start are replicates, as two seeds are (with ``--start base`` the start
-is the config's model folder, and the cache holds that folder's hash). ``--warm-from none`` builds a
-warm start here instead (in a new ``--run-root``, and then a new ``--cache``). The report
+is the config's model folder, and the cache holds that folder's hash). ``--warm-from none``
+builds a warm start here instead (in a new ``--run-root``, and then a new ``--cache``). The report
 goes to ``docs/results_tuned.md``, beside the first sweep's in ``docs/results.md`` (whose cache
 was not kept: a report written there from this cache would replace its tables).
 
@@ -254,17 +254,13 @@ def ensure_warm(
         info = json.loads(info_path.read_text())
         if info.get("spec") == spec and "weights" in info:
             return info
+    t0 = time.perf_counter()
     if from_base:
         # The start is the base folder's weights (each run's LoRA init comes from its seed):
         # their hash lets a cache resume on another machine, whose held-out figures of the
         # same start differ in the last digits.
         cfg = build_config(base, ONPOLICY, seed, sz, run_root)
-        info = {"spec": spec, "seconds": 0.0, "weights": weights_digest(Path(cfg.model.path))}
-        info.update(heldout(Path(cfg.model.path), cfg, sz), machine=machine())
-        out.mkdir(parents=True, exist_ok=True)
-        info_path.write_text(json.dumps(info, indent=1))
-        return info
-    t0 = time.perf_counter()
+        return _record_warm(info_path, spec, Path(cfg.model.path), 0.0, cfg, sz)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     d = copy_sections(base)
@@ -282,8 +278,17 @@ def ensure_warm(
     shutil.rmtree(out, ignore_errors=True)
     (tmp / "model").rename(out)
     shutil.rmtree(tmp, ignore_errors=True)
-    info = {"spec": spec, "seconds": time.perf_counter() - t0, "weights": weights_digest(out)}
-    info.update(heldout(out, cfg, sz), machine=machine())
+    return _record_warm(info_path, spec, out, time.perf_counter() - t0, cfg, sz)
+
+
+def _record_warm(
+    info_path: Path, spec: dict[str, Any], folder: Path, seconds: float, cfg: Any, sz: Sizing
+) -> dict[str, Any]:
+    """The start's ``warm.json``: its spec, build time, the weights hash of ``folder`` (its
+    identity in a cache) and held-out figures, with the machine that scored them."""
+    info = {"spec": spec, "seconds": seconds, "weights": weights_digest(folder)}
+    info.update(heldout(folder, cfg, sz), machine=machine())
+    info_path.parent.mkdir(parents=True, exist_ok=True)
     info_path.write_text(json.dumps(info, indent=1))
     return info
 

@@ -150,10 +150,9 @@ def theory_lines(check: dict[str, Any], mu: float, seeds_label: str) -> list[str
         "staleness var | approx KL |",
         "|---|---|---|---|---|---|---|---|",
     ]
+    # A cell not run on these seeds yet (an evaluation under way) gets no row: it is named.
     unrun = [c.label() for c, p in pts.items() if p["runs"] == 0]
-    for c, p in pts.items():
-        if p["runs"] == 0:  # not run on these seeds yet (an evaluation under way): no row
-            continue
+    for c, p in ((c, p) for c, p in pts.items() if p["runs"]):
         be = (
             "(baseline)"
             if c.onpolicy
