@@ -254,13 +254,13 @@ def ensure_warm(
         info = json.loads(info_path.read_text())
         if info.get("spec") == spec and "weights" in info:
             return info
-    t0 = time.perf_counter()
     if from_base:
         # The start is the base folder's weights (each run's LoRA init comes from its seed):
         # their hash lets a cache resume on another machine, whose held-out figures of the
         # same start differ in the last digits.
         cfg = build_config(base, ONPOLICY, seed, sz, run_root)
         return _record_warm(info_path, spec, Path(cfg.model.path), 0.0, cfg, sz)
+    t0 = time.perf_counter()
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     d = copy_sections(base)
